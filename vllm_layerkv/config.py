@@ -1,0 +1,159 @@
+"""LayerKV settings: read from ``kv_connector_extra_config``, then ``LAYERKV_*`` environment
+variables, then defaults. Validated once, with errors that say what to change.
+
+vLLM's ``KVTransferConfig`` rejects unknown fields, so every LayerKV knob lives in
+``kv_connector_extra_config``. docs/configuration.md lists each one; keep the two in sync
+(tests/unit/test_config.py checks that every field is documented).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+TRANSPORTS = ("auto", "tcp")
+
+
+class ConfigError(ValueError):
+    """A LayerKV setting is invalid. The message names the setting and what to change."""
+
+
+@dataclass(frozen=True)
+class LayerKVConfig:
+    # --- where things listen -------------------------------------------------------------
+    host: str = field(default_factory=lambda: os.environ.get("VLLM_HOST_IP") or "127.0.0.1")
+    """Address this instance advertises to its peers (P's registration endpoint, D's data
+    endpoint). Defaults to VLLM_HOST_IP, else 127.0.0.1: set it for cross-host P/D."""
+    registration_port: int = 0
+    """P only: TCP port of the registration listener in the scheduler process. 0 = any free
+    port; the proxy discovers it."""
+    data_port: int = 0
+    """D only: first TCP port of the data listeners; TP rank r listens on data_port + r.
+    0 = any free port (published to the scheduler through vLLM's handshake metadata)."""
+    transport: str = "auto"
+    """Byte mover: "tcp" (embedded, needs nothing installed) or "auto" (picks the best
+    available; today that is tcp)."""
+
+    # --- layer-group streaming -----------------------------------------------------------
+    layerwise: bool = True
+    """Stream KV per layer group while prefill runs. False sends each step's KV once, after
+    the step's last layer (still per chunk)."""
+    min_prompt_tokens: int = 256
+    """Prompts shorter than this are sent as one group at the end of the step (streaming
+    costs more than it saves on short prompts)."""
+    max_pipeline_stages: int = 8
+    """Adaptive grouping: number of layer groups per step for prompts just above
+    min_prompt_tokens."""
+    min_pipeline_stages: int = 2
+    """Adaptive grouping: number of layer groups per step once the step's tokens reach
+    3 x min_prompt_tokens."""
+    group_size: int = 0
+    """Fixed number of layers per group; 0 = adaptive (the rule above)."""
+    piecewise_cudagraph: bool = False
+    """GPU prefill instances: set true so vLLM uses PIECEWISE CUDA graphs and the per-layer
+    hooks fire during replays (FULL graphs skip them; LayerKV then sends the step's KV at its
+    end). Leave false on decode instances so they keep FULL decode graphs."""
+
+    # --- robustness ----------------------------------------------------------------------
+    registration_wait_s: float = 0.5
+    """P: a new prefill waits at most this long for the decode instance's registration before
+    it starts computing (only a registered request can stream its first chunk). 0 = never
+    wait; KV computed before the registration then goes out with the next chunk or at the
+    end."""
+    kv_wait_timeout_s: float = 120.0
+    """D: a request parked waiting for KV fails after this long (vLLM's
+    kv_load_failure_policy then fails or recomputes it)."""
+    registration_timeout_s: float = 60.0
+    """P: how long a finished prefill keeps its blocks for a decode instance that has not
+    registered yet."""
+    ack_timeout_s: float = 60.0
+    """P: how long a sent transfer waits for D's acknowledgement before its blocks are freed
+    anyway."""
+    connect_timeout_s: float = 10.0
+    """Timeout for opening a control or data connection and for its handshake."""
+    io_timeout_s: float = 60.0
+    """A data connection that makes no progress for this long is closed and its transfers
+    fail."""
+
+    # --- diagnostics ---------------------------------------------------------------------
+    trace_path: str = ""
+    """If set, workers append one JSON line per transfer event (layer hooks, group sends,
+    completions) to this file + ".<role>.<rank>". For tests and debugging; off by default."""
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any] | None) -> LayerKVConfig:
+        extra = dict(extra or {})
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(k for k in extra if k not in known)
+        if unknown:
+            raise ConfigError(
+                f"unknown LayerKV setting(s) {unknown} in kv_connector_extra_config; "
+                f"valid settings are {sorted(known)} (see docs/configuration.md)"
+            )
+        values: dict[str, Any] = {}
+        for name, f in known.items():
+            env_name = "LAYERKV_" + name.upper()
+            if name in extra:
+                values[name] = _coerce(name, extra[name], f, source="kv_connector_extra_config")
+            elif env_name in os.environ:
+                values[name] = _coerce(name, os.environ[env_name], f, source=env_name)
+        config = cls(**values)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ConfigError(msg)
+
+        need(self.transport in TRANSPORTS,
+             f"transport={self.transport!r} is not available; use one of {list(TRANSPORTS)}")
+        for name in ("registration_port", "data_port"):
+            port = getattr(self, name)
+            need(0 <= port <= 65535, f"{name}={port} is not a TCP port; use 0..65535 (0 = any)")
+        need(self.min_prompt_tokens >= 0, "min_prompt_tokens must be >= 0")
+        need(self.min_pipeline_stages >= 1,
+             f"min_pipeline_stages={self.min_pipeline_stages} must be >= 1")
+        need(self.max_pipeline_stages >= self.min_pipeline_stages,
+             f"max_pipeline_stages={self.max_pipeline_stages} must be >= "
+             f"min_pipeline_stages={self.min_pipeline_stages}")
+        need(self.group_size >= 0, f"group_size={self.group_size} must be >= 0 (0 = adaptive)")
+        need(self.registration_wait_s >= 0, "registration_wait_s must be >= 0 seconds")
+        for name in ("kv_wait_timeout_s", "registration_timeout_s", "ack_timeout_s",
+                     "connect_timeout_s", "io_timeout_s"):
+            need(getattr(self, name) > 0, f"{name} must be > 0 seconds")
+        need(bool(self.host), "host must not be empty")
+
+    def replace(self, **changes: Any) -> LayerKVConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def _coerce(name: str, value: Any, f: dataclasses.Field, source: str) -> Any:
+    kind = type(f.default) if f.default is not dataclasses.MISSING else str
+    try:
+        if kind is bool:
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on"):
+                return True
+            if isinstance(value, str) and value.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        if kind is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError(value)
+            return int(value)
+        if kind is float:
+            if isinstance(value, bool):
+                raise ValueError(value)
+            return float(value)
+        if not isinstance(value, str):
+            raise ValueError(value)
+        return value
+    except (TypeError, ValueError):
+        raise ConfigError(
+            f"LayerKV setting {name}={value!r} (from {source}) is not a valid "
+            f"{kind.__name__}"
+        ) from None

@@ -1,0 +1,166 @@
+"""``LayerKVConnector``: the class vLLM instantiates. A facade only: every call is delegated to
+the scheduler half (engine-core process) or the worker half (each worker process).
+
+Use::
+
+    vllm serve MODEL --kv-transfer-config \
+        '{"kv_connector":"LayerKV","kv_role":"kv_producer","kv_connector_extra_config":{...}}'
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from vllm_layerkv.compat import (
+    HAS_TRANSFER_RESULTS,
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+    make_transfer_results,
+)
+from vllm_layerkv.config import LayerKVConfig
+from vllm_layerkv.metadata import LayerKVMetadata
+from vllm_layerkv.scheduler import LayerKVScheduler
+from vllm_layerkv.stats import LayerKVPromMetrics, LayerKVStats
+from vllm_layerkv.worker import LayerKVWorker
+
+logger = logging.getLogger("vllm.layerkv.connector")
+
+
+class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        ktc = vllm_config.kv_transfer_config
+        self._config = LayerKVConfig.from_extra_config(ktc.kv_connector_extra_config)
+        is_producer, is_consumer = bool(ktc.is_kv_producer), bool(ktc.is_kv_consumer)
+        self._scheduler: LayerKVScheduler | None = None
+        self._worker: LayerKVWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = LayerKVScheduler(vllm_config, kv_cache_config, self._config,
+                                               is_producer, is_consumer)
+        else:
+            self._worker = LayerKVWorker(vllm_config, kv_cache_config, self._config,
+                                         is_producer, is_consumer)
+
+    # ------------------------------------------------------------------ class-level hooks
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        # HND (= LBHNC): block dimension outermost, a block is one contiguous run per layer.
+        return "HND"
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # Only vLLM's extra_config is visible here, not kv_role: the prefill launch marks itself
+        # with "piecewise_cudagraph": true so that decode keeps its FULL decode graphs.
+        return bool(extra_config.get("piecewise_cudagraph", False))
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> LayerKVStats:
+        return LayerKVStats(data=data) if data is not None else LayerKVStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> LayerKVPromMetrics:
+        return LayerKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    # ------------------------------------------------------------------ worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    def get_handshake_metadata(self) -> Any:
+        return self._worker.get_handshake_metadata() if self._worker else None
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        assert self._worker is not None and isinstance(connector_metadata, LayerKVMetadata)
+        self._worker.bind(connector_metadata)
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        if self._worker is not None:
+            self._worker.clear()
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        # Push design: decode never pulls; KV lands in its blocks before the request runs.
+        return None
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        assert self._worker is not None
+        self._worker.on_layer_saved(layer_name)
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        self._worker.end_step()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        assert self._worker is not None
+        sending, recving, failed = self._worker.transfer_results()
+        if failed:
+            # vLLM 0.26 has no request-level failure report: the request proceeds with the
+            # blocks it has (see docs/architecture.md, "vLLM versions").
+            logger.error("LayerKV: KV for %s failed; vLLM 0.26 cannot fail it", sorted(failed))
+        return (sending or None), ((recving | failed) or None)
+
+    if HAS_TRANSFER_RESULTS:
+
+        def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+            assert self._worker is not None
+            sending, recving, failed = self._worker.transfer_results()
+            return make_transfer_results(sending, recving, failed)
+
+    def get_kv_connector_stats(self) -> LayerKVStats | None:
+        return self._worker.stats() if self._worker else None
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+
+    # ------------------------------------------------------------------ scheduler side
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int
+                                 ) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, block_ids)
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.has_pending_push_work()
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        if self._scheduler is not None:
+            self._scheduler.set_handshake_metadata(metadata)
+
+    def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
+        # Everything LayerKV writes must not be zeroed by vLLM under or after the write.
+        return tuple(range(len(self._kv_cache_config.kv_cache_groups)))

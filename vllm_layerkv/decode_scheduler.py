@@ -1,0 +1,144 @@
+"""Decode-side scheduler half: parks a request, registers its blocks with the prefill instance,
+and fails it cleanly when the KV cannot come (refused, unreachable, timed out).
+
+Flow per request (decode registers first, DESIGN.md):
+
+1. ``get_num_new_matched_tokens``: all prompt tokens not in D's own prefix cache will arrive
+   asynchronously -> vLLM allocates blocks and parks the request in WAITING_FOR_REMOTE_KVS.
+2. ``update_state_after_alloc``: send ``Register`` (block ids, data endpoints) to P from a
+   background thread, and tell the workers to expect the transfer (next step's metadata).
+3. Workers report the request finished receiving; vLLM recomputes the last prompt token and
+   decodes. On refusal or timeout, workers report it failed (vLLM's kv_load_failure_policy
+   then fails or recomputes it), and P is told to stop.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_layerkv.config import LayerKVConfig
+from vllm_layerkv.metadata import LayerKVMetadata, RecvClose, RecvTask
+from vllm_layerkv.protocol import Cancel, CompatInfo, Refused, Register
+from vllm_layerkv.registrar import RegistrationClient
+from vllm_layerkv.request_params import DecodeParams
+
+logger = logging.getLogger("vllm.layerkv.decode_scheduler")
+
+
+@dataclass
+class _Waiting:
+    req_id: str
+    transfer_id: str
+    endpoint: str
+    deadline: float
+    closed: bool = False
+
+
+class DecodeScheduler:
+    def __init__(self, config: LayerKVConfig, compat: CompatInfo, tp_size: int, engine_id: str):
+        self._config = config
+        self._compat = compat
+        self._tp_size = tp_size
+        self._engine_id = engine_id
+        self._data_endpoints: list[str] = []
+        self._client = RegistrationClient(config.connect_timeout_s, config.io_timeout_s)
+        self._waiting: dict[str, _Waiting] = {}
+        self._by_tid: dict[str, _Waiting] = {}
+        self._local_hits: dict[str, int] = {}
+        self._admitted: set[str] = set()
+        """Requests already registered (vLLM calls update_state_after_alloc again, with 0
+        external tokens, when a request is re-admitted after its KV arrived)."""
+        self._pending = LayerKVMetadata()
+
+    def set_data_endpoints(self, endpoints: list[str]) -> None:
+        if any(not e for e in endpoints):
+            raise RuntimeError("a LayerKV decode worker published no data endpoint")
+        self._data_endpoints = endpoints
+        logger.info("LayerKV decode data endpoints: %s", endpoints)
+
+    def num_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        self._local_hits[request.request_id] = num_computed_tokens
+        n = request.num_prompt_tokens - num_computed_tokens
+        return (n, True) if n > 0 else (0, False)
+
+    def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int,
+                    params: DecodeParams) -> None:
+        req_id = request.request_id
+        local = self._local_hits.pop(req_id, 0)
+        if req_id in self._admitted:
+            return
+        self._admitted.add(req_id)
+        if num_external_tokens == 0:
+            # everything was in D's own prefix cache: P need not wait for us
+            self._client.send(params.remote_endpoint, Cancel(
+                transfer_id=params.transfer_id, reason="decode had the whole prompt cached"))
+            return
+        if not self._data_endpoints:
+            raise RuntimeError("LayerKV decode workers have not published data endpoints")
+        block_ids = list(blocks.get_block_ids()[0])
+        reg = Register(
+            transfer_id=params.transfer_id, engine_id=self._engine_id, compat=self._compat,
+            tp_size=self._tp_size, data_endpoints=self._data_endpoints, block_ids=block_ids,
+            start_token=local, num_tokens=local + num_external_tokens)
+        w = _Waiting(req_id, params.transfer_id, params.remote_endpoint,
+                     deadline=time.monotonic() + self._config.kv_wait_timeout_s)
+        self._waiting[req_id] = w
+        self._by_tid[params.transfer_id] = w
+        self._pending.recvs.append(RecvTask(req_id, params.transfer_id, block_ids))
+        self._client.send(params.remote_endpoint, reg)
+
+    def build_meta(self, meta: LayerKVMetadata) -> None:
+        self._drain_replies()
+        now = time.monotonic()
+        for w in list(self._waiting.values()):
+            if not w.closed and now > w.deadline:
+                self._fail(w, f"no KV from prefill {w.endpoint} within "
+                              f"kv_wait_timeout_s={self._config.kv_wait_timeout_s:.0f} s",
+                           notify_prefill=True)
+        pending, self._pending = self._pending, LayerKVMetadata()
+        meta.recvs += pending.recvs
+        meta.recv_closes += pending.recv_closes
+
+    def request_finished(self, req_id: str) -> None:
+        """The request ended; if it still waits for KV (aborted), stop the transfer."""
+        self._local_hits.pop(req_id, None)
+        self._admitted.discard(req_id)
+        w = self._waiting.get(req_id)
+        if w is not None and not w.closed:
+            w.closed = True
+            self._pending.recv_closes.append(
+                RecvClose(req_id, w.transfer_id, failed=False, reason="aborted"))
+            self._client.send(w.endpoint, Cancel(transfer_id=w.transfer_id,
+                                                 reason="decode request aborted"))
+
+    def finished_recving(self, req_ids: set[str]) -> None:
+        for req_id in req_ids:
+            w = self._waiting.pop(req_id, None)
+            if w is not None:
+                self._by_tid.pop(w.transfer_id, None)
+
+    def shutdown(self) -> None:
+        self._client.close()
+
+    def _drain_replies(self) -> None:
+        while True:
+            try:
+                reply = self._client.replies.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(reply, Refused):
+                w = self._by_tid.get(reply.transfer_id)
+                if w is not None and not w.closed:
+                    self._fail(w, reply.reason, notify_prefill=False)
+
+    def _fail(self, w: _Waiting, reason: str, notify_prefill: bool) -> None:
+        logger.error("LayerKV: request %s (transfer %s) cannot get its KV: %s", w.req_id,
+                     w.transfer_id, reason)
+        w.closed = True
+        self._pending.recv_closes.append(RecvClose(w.req_id, w.transfer_id, True, reason))
+        if notify_prefill:
+            self._client.send(w.endpoint, Cancel(transfer_id=w.transfer_id, reason=reason))

@@ -1,0 +1,35 @@
+"""Decode-side worker: listens for prefill ranks, lets the transport write KV straight into this
+worker's blocks, and reports each request as received (or failed) exactly once."""
+
+from __future__ import annotations
+
+from vllm_layerkv.config import LayerKVConfig
+from vllm_layerkv.layout import KVLayout
+from vllm_layerkv.metadata import LayerKVMetadata
+from vllm_layerkv.protocol import CompatInfo
+from vllm_layerkv.receiver import RecvTable
+from vllm_layerkv.stats import WorkerStats
+from vllm_layerkv.transport.base import Transport
+
+
+class DecodeWorker:
+    def __init__(self, config: LayerKVConfig, layout: KVLayout, transport: Transport,
+                 compat: CompatInfo, tp_rank: int, tp_size: int, stats: WorkerStats):
+        self._table = RecvTable(compat, tp_rank, tp_size,
+                                unknown_wait_s=config.connect_timeout_s, stats=stats)
+        port = config.data_port + tp_rank if config.data_port else 0
+        self.endpoint = transport.start_receiver(
+            config.host, port, self._table, layout.host_block_views(), config.io_timeout_s)
+
+    def bind(self, meta: LayerKVMetadata) -> None:
+        for task in meta.recvs:
+            self._table.expect(task)
+        for close in meta.recv_closes:
+            self._table.close(close.transfer_id, close.failed, close.reason)
+
+    def results(self, wait_s: float = 0.0) -> tuple[set[str], set[str]]:
+        """(finished, failed) since last call. ``wait_s`` > 0 on idle steps: block that long
+        for a completion instead of letting the engine loop spin."""
+        if wait_s > 0 and self._table.pending() and not self._table.results_ready.is_set():
+            self._table.results_ready.wait(wait_s)
+        return self._table.drain()

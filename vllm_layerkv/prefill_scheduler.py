@@ -1,0 +1,311 @@
+"""Prefill-side scheduler half: matches decode registrations to prefill requests and, every engine
+step, tells the workers which blocks to push where.
+
+Bookkeeping per request is a *send watermark*: D holds KV for tokens ``[0, sent_tokens)``. Each
+step that computes tokens up to ``end`` sends the blocks covering ``[sent_tokens, end)``. The
+block that holds ``sent_tokens`` may be partly filled and is sent again next time; one ordered
+connection per rank pair makes the later copy win. The same rule covers every late case:
+
+* registration arrives after some chunks ran: the next step's send starts at the watermark, so
+  the chunks already computed go out with it (catch-up from P's still-allocated blocks);
+* P hit its own prefix cache: those tokens are below ``end`` and go out the same way;
+* registration arrives after P finished: the blocks are held (``request_finished`` returns True)
+  and flushed at once;
+* the request was preempted on P (its blocks freed and maybe reused while queued sends read
+  them): the watermark drops back to D's start, so everything is sent again after it resumes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_layerkv import tp
+from vllm_layerkv.config import LayerKVConfig
+from vllm_layerkv.metadata import LayerKVMetadata, Peer, SendTask
+from vllm_layerkv.protocol import (
+    Cancel,
+    CompatInfo,
+    Refused,
+    Register,
+    RegisterAck,
+    compatibility_error,
+)
+from vllm_layerkv.registrar import RegistrationServer
+from vllm_layerkv.request_params import PrefillParams
+
+logger = logging.getLogger("vllm.layerkv.prefill_scheduler")
+
+
+@dataclass
+class _Prefill:
+    req_id: str
+    transfer_id: str
+    num_prompt_tokens: int
+    block_ids: list[int]
+    reg: Register | None = None
+    peer: Peer | None = None
+    sent_tokens: int = 0
+    computed_tokens: int = 0
+    final_sent: bool = False
+    finished: bool = False
+    released: bool = False
+    hold_deadline: float = 0.0
+
+
+class PrefillScheduler:
+    def __init__(self, config: LayerKVConfig, compat: CompatInfo, tp_size: int, block_size: int,
+                 engine_id: str):
+        self._config = config
+        self._compat = compat
+        self._tp_size = tp_size
+        self._block_size = block_size
+        self._engine_id = engine_id
+        self._incoming: queue.SimpleQueue[Register | Cancel] = queue.SimpleQueue()
+        self._by_req: dict[str, _Prefill] = {}
+        self._by_tid: dict[str, _Prefill] = {}
+        self._early_regs: dict[str, tuple[Register, float]] = {}
+        """Registrations that arrived before P saw the request (D is often faster)."""
+        self._gone: dict[str, float] = {}
+        """transfer_id -> when P stopped serving it (aborted, gave up): late registrations are
+        refused instead of waiting forever."""
+        self._pending = LayerKVMetadata()
+        self._first_seen: dict[str, float] = {}
+        self._server = RegistrationServer(config.host, config.registration_port,
+                                          self._on_register, self._incoming.put,
+                                          config.io_timeout_s)
+        self.endpoint = self._server.endpoint
+        logger.info("LayerKV prefill registration endpoint %s (engine %s, TP %d)", self.endpoint,
+                    engine_id, tp_size)
+
+    # ------------------------------------------------------------ registration server threads
+    def _on_register(self, reg: Register) -> RegisterAck | Refused:
+        err = compatibility_error(self._compat, reg.compat, f"decode {reg.engine_id}")
+        if err is None:
+            try:
+                tp.check_supported(self._tp_size, reg.tp_size)
+            except tp.TPMismatchError as e:
+                err = str(e)
+        if err is None and reg.transfer_id in self._gone:
+            err = "the prefill request for this transfer_id was aborted or gave up waiting"
+        if err is None and len(reg.data_endpoints) != reg.tp_size:
+            err = f"registration lists {len(reg.data_endpoints)} endpoints for TP {reg.tp_size}"
+        if err is not None:
+            logger.error("refusing registration of transfer %s: %s", reg.transfer_id, err)
+            return Refused(transfer_id=reg.transfer_id, reason=err)
+        self._incoming.put(reg)
+        return RegisterAck(transfer_id=reg.transfer_id, tp_size=self._tp_size)
+
+    # ------------------------------------------------------------ scheduler thread
+    def should_defer(self, req_id: str, params: PrefillParams) -> bool:
+        """Hold a new prefill back until D's registration is here (at most
+        ``registration_wait_s``): only a registered request can stream its first chunk while it
+        is computed. D receives the request concurrently, so the wait is normally a few ms."""
+        wait = self._config.registration_wait_s
+        if wait <= 0:
+            return False
+        self._drain_incoming()
+        if params.transfer_id in self._early_regs:
+            self._first_seen.pop(req_id, None)
+            return False
+        now = time.monotonic()
+        first = self._first_seen.setdefault(req_id, now)
+        if now - first < wait:
+            return True
+        self._first_seen.pop(req_id, None)
+        logger.info("transfer %s: no decode registration after registration_wait_s=%.2f s; "
+                    "prefilling anyway (KV goes out once it registers)", params.transfer_id, wait)
+        return False
+
+    def track(self, req_id: str, params: PrefillParams, num_prompt_tokens: int) -> str | None:
+        """Start serving a prefill request; returns an error message if it cannot be."""
+        if req_id in self._by_req:  # re-admitted after preemption: already tracked
+            return None
+        self._first_seen.pop(req_id, None)
+        if params.transfer_id in self._by_tid:
+            return (f"transfer_id {params.transfer_id!r} is already in use by another request; "
+                    "mint a fresh transfer_id per request")
+        p = _Prefill(req_id, params.transfer_id, num_prompt_tokens, block_ids=[])
+        self._by_req[req_id] = p
+        self._by_tid[params.transfer_id] = p
+        early = self._early_regs.pop(params.transfer_id, None)
+        if early is not None:
+            self._attach(p, early[0])
+        return None
+
+    def build_meta(self, meta: LayerKVMetadata, scheduler_output: Any) -> None:
+        self._drain_incoming()
+        self._expire()
+        pending, self._pending = self._pending, LayerKVMetadata()
+        meta.flushes += pending.flushes
+        meta.releases += pending.releases
+        meta.aborts += pending.aborts
+        if not self._by_req:
+            return
+        for req_id, computed, new_blocks, resumed in _scheduled(scheduler_output):
+            p = self._by_req.get(req_id)
+            if p is None or p.finished:
+                continue
+            if resumed:  # preempted and back: blocks were freed, possibly mid-send
+                p.block_ids = []
+                if p.reg is not None:
+                    p.sent_tokens = p.reg.start_token
+                    p.final_sent = False
+            if new_blocks is not None:
+                p.block_ids.extend(new_blocks[0])
+            n = scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            p.computed_tokens = min(computed + n, p.num_prompt_tokens)
+            if p.reg is not None and not p.final_sent and n > 0:
+                task = self._task(p, p.computed_tokens)
+                if task is not None:
+                    meta.sends.append(task)
+
+    def request_finished(self, req_id: str, block_ids: list[int],
+                         complete: bool) -> tuple[bool, dict[str, Any] | None]:
+        p = self._by_req.get(req_id)
+        if p is None:
+            return False, None
+        p.finished = True
+        params = {"transfer_id": p.transfer_id, "layerkv_endpoint": self.endpoint}
+        self._drain_incoming()
+        if not complete:
+            reason = "prefill request ended before its prompt was computed (aborted)"
+            if p.reg is None:
+                self._forget(p)
+                return False, params
+            self._pending.aborts.append((p.transfer_id, reason))
+            self._release(p)
+            return True, params
+        p.block_ids = list(block_ids)
+        p.computed_tokens = p.num_prompt_tokens
+        if p.reg is None:
+            p.hold_deadline = time.monotonic() + self._config.registration_timeout_s
+        elif not p.final_sent:
+            self._flush(p)
+        else:
+            self._release(p)
+        return True, params
+
+    def finished_sending(self, req_ids: set[str]) -> None:
+        for req_id in req_ids:
+            p = self._by_req.get(req_id)
+            if p is not None:
+                self._forget(p)
+
+    def has_pending_work(self) -> bool:
+        return any(p.finished for p in self._by_req.values())
+
+    def shutdown(self) -> None:
+        self._server.close()
+
+    # ------------------------------------------------------------ internals
+    def _task(self, p: _Prefill, upto: int) -> SendTask | None:
+        assert p.reg is not None and p.peer is not None
+        bs = self._block_size
+        first = p.sent_tokens // bs
+        last = math.ceil(upto / bs)
+        if last > len(p.block_ids) or last > len(p.reg.block_ids):
+            logger.error("transfer %s: needs blocks [%d, %d) but P has %d and D has %d; aborting",
+                         p.transfer_id, first, last, len(p.block_ids), len(p.reg.block_ids))
+            self._pending.aborts.append((p.transfer_id, "block tables do not cover the prompt"))
+            p.final_sent = True
+            return None
+        final = upto >= p.num_prompt_tokens
+        task = SendTask(
+            req_id=p.req_id, transfer_id=p.transfer_id, peer=p.peer,
+            src_blocks=p.block_ids[first:last], dst_blocks=p.reg.block_ids[first:last],
+            final=final, new_tokens=upto - p.sent_tokens,
+            streamed=self._config.layerwise and p.num_prompt_tokens >= self._config.min_prompt_tokens,
+        )
+        p.sent_tokens = upto
+        p.final_sent = final
+        return task
+
+    def _flush(self, p: _Prefill) -> None:
+        task = self._task(p, p.num_prompt_tokens)
+        if task is not None:
+            task.streamed = False
+            self._pending.flushes.append(task)
+        self._release(p)
+
+    def _release(self, p: _Prefill) -> None:
+        if not p.released:
+            p.released = True
+            self._pending.releases.append((p.req_id, p.transfer_id))
+
+    def _attach(self, p: _Prefill, reg: Register) -> None:
+        p.reg = reg
+        p.peer = Peer(engine_id=reg.engine_id, tp_size=reg.tp_size,
+                      data_endpoints=list(reg.data_endpoints))
+        # D already holds [0, start_token); never write into its (shared, cached) blocks.
+        p.sent_tokens = (reg.start_token // self._block_size) * self._block_size
+        if reg.num_tokens != p.num_prompt_tokens:
+            logger.warning("transfer %s: decode expects %d tokens, prefill has %d",
+                           p.transfer_id, reg.num_tokens, p.num_prompt_tokens)
+        if p.finished and not p.released:
+            self._flush(p)
+
+    def _drain_incoming(self) -> None:
+        while True:
+            try:
+                msg = self._incoming.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(msg, Register):
+                p = self._by_tid.get(msg.transfer_id)
+                if p is None:
+                    self._early_regs[msg.transfer_id] = (msg, time.monotonic())
+                elif p.reg is None:
+                    self._attach(p, msg)
+                else:
+                    logger.error("duplicate registration for transfer %s ignored",
+                                 msg.transfer_id)
+            else:
+                self._cancel(msg)
+
+    def _cancel(self, msg: Cancel) -> None:
+        self._early_regs.pop(msg.transfer_id, None)
+        p = self._by_tid.get(msg.transfer_id)
+        if p is None:
+            return
+        logger.info("decode cancelled transfer %s: %s", msg.transfer_id, msg.reason)
+        if p.reg is not None:
+            self._pending.aborts.append((p.transfer_id, f"cancelled by decode: {msg.reason}"))
+        p.final_sent = True  # nothing more to send
+        if p.finished:
+            self._release(p)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for p in [p for p in self._by_req.values() if p.finished and p.reg is None
+                  and not p.released and now > p.hold_deadline]:
+            logger.warning(
+                "transfer %s: no decode registered within registration_timeout_s=%.0f s after "
+                "prefill finished; freeing its blocks", p.transfer_id,
+                self._config.registration_timeout_s)
+            self._release(p)
+        ttl = self._config.registration_timeout_s
+        for tid in [t for t, (_, at) in self._early_regs.items() if now - at > ttl]:
+            del self._early_regs[tid]
+        for tid in [t for t, at in self._gone.items() if now - at > 10 * ttl]:
+            del self._gone[tid]
+
+    def _forget(self, p: _Prefill) -> None:
+        self._by_req.pop(p.req_id, None)
+        self._by_tid.pop(p.transfer_id, None)
+        self._gone[p.transfer_id] = time.monotonic()
+
+
+def _scheduled(so: Any):
+    """(req_id, num_computed_tokens before this step, new block ids or None, resumed) for every
+    request scheduled this step."""
+    for r in so.scheduled_new_reqs:
+        yield r.req_id, r.num_computed_tokens, r.block_ids, False
+    cached = so.scheduled_cached_reqs
+    resumed = getattr(cached, "resumed_req_ids", set()) or set()
+    for i, req_id in enumerate(cached.req_ids):
+        yield req_id, cached.num_computed_tokens[i], cached.new_block_ids[i], req_id in resumed

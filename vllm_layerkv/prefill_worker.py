@@ -1,0 +1,154 @@
+"""Prefill-side worker: turns each step's send tasks into layer-group work items as the forward
+pass runs, and tells vLLM when a finished request's blocks may be freed.
+
+Per step:
+
+* ``bind`` (before the forward; 0.32+ runs ``start_load_kv`` after it, so nothing per-step may
+  live there) plans the step's layer groups and pre-builds one ``GroupSend`` per group, so the
+  hook has nothing to allocate.
+* ``on_layer_saved`` (the per-layer hook, hot path): a dict lookup; when the layer ends a group,
+  record a device event (GPU) and enqueue that group, plus any earlier group whose hook was
+  skipped. Never waits, never touches the network.
+* ``end_step`` (``wait_for_save``): enqueue groups whose hooks never fired (FULL CUDA-graph
+  replays skip them), the tasks that are sent whole at the end of the step (short prompts), and
+  ``TransferDone`` for transfers whose last chunk this was.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from vllm_layerkv.config import LayerKVConfig
+from vllm_layerkv.grouping import plan_group_size, split_layers
+from vllm_layerkv.layout import KVLayout
+from vllm_layerkv.metadata import LayerKVMetadata, SendTask
+from vllm_layerkv.sender import AbortTransfer, FinishTransfer, GroupSend, Sender
+from vllm_layerkv.trace import Tracer
+
+logger = logging.getLogger("vllm.layerkv.prefill_worker")
+
+
+def _record_event(device_type: str) -> Any:
+    if device_type != "cuda":
+        return None  # CPU attention ran synchronously: the KV is already in memory
+    import torch
+
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream())
+    return event
+
+
+class PrefillWorker:
+    def __init__(self, config: LayerKVConfig, layout: KVLayout, sender: Sender, tracer: Tracer):
+        self._config = config
+        self._layout = layout
+        self._sender = sender
+        self._tracer = tracer
+        self._device_type = layout.device.type
+        self._step = 0
+        # per-step plan (reset in bind)
+        self._group_items: list[GroupSend] = []
+        self._group_of_end_layer: dict[str, int] = {}
+        self._next_group = 0
+        self._end_of_step_tasks: list[SendTask] = []
+        self._final_tasks: list[SendTask] = []
+        # releases waiting for their transfer to become terminal: req_id -> (tid, deadline)
+        self._releases: dict[str, tuple[str, float]] = {}
+
+    # ------------------------------------------------------------------ per step
+    def bind(self, meta: LayerKVMetadata) -> None:
+        self._step += 1
+        for tid, reason in meta.aborts:
+            self._sender.put(AbortTransfer(tid, reason))
+        for task in meta.flushes:  # KV computed in earlier steps: send it all now
+            self._sender.outgoing(task)
+            self._sender.put(GroupSend(self._step, 0, list(range(self._layout.num_layers)),
+                                       [task]))
+            if task.final:
+                self._sender.put(FinishTransfer(task, t_compute_end=0.0))
+        now = time.monotonic()
+        for req_id, tid in meta.releases:
+            self._releases[req_id] = (tid, now + self._config.ack_timeout_s)
+
+        streamed = [t for t in meta.sends if t.streamed]
+        self._end_of_step_tasks = [t for t in meta.sends if not t.streamed]
+        self._final_tasks = [t for t in meta.sends if t.final]
+        for task in meta.sends:
+            self._sender.outgoing(task)
+        self._next_group = 0
+        if not streamed:
+            self._group_items = []
+            self._group_of_end_layer = {}
+            return
+        num_layers = self._layout.num_layers
+        avg_tokens = sum(t.new_tokens for t in streamed) // len(streamed)
+        groups = split_layers(num_layers, plan_group_size(num_layers, avg_tokens, self._config))
+        self._group_items = [GroupSend(self._step, i, list(g), streamed)
+                             for i, g in enumerate(groups)]
+        names = self._layout.layer_names
+        self._group_of_end_layer = {names[g[-1]]: i for i, g in enumerate(groups)}
+        self._tracer.event("step_plan", step=self._step, groups=len(groups),
+                           tokens=avg_tokens, tasks=len(streamed))
+
+    def on_layer_saved(self, layer_name: str) -> None:
+        group = self._group_of_end_layer.get(layer_name)
+        if group is None or group < self._next_group:
+            return
+        event = _record_event(self._device_type)
+        for g in range(self._next_group, group + 1):
+            item = self._group_items[g]
+            item.event = event
+            self._sender.put(item)
+        self._next_group = group + 1
+        if self._tracer.enabled:
+            self._tracer.event("group_enqueued", step=self._step, group=group, layer=layer_name)
+
+    def end_step(self) -> None:
+        if not (self._group_items or self._end_of_step_tasks or self._final_tasks):
+            return
+        t_end = time.monotonic()
+        self._tracer.event("step_end", step=self._step)
+        if self._next_group < len(self._group_items):
+            event = _record_event(self._device_type)
+            for g in range(self._next_group, len(self._group_items)):
+                self._group_items[g].event = event
+                self._sender.put(self._group_items[g])
+        if self._end_of_step_tasks:
+            self._sender.put(GroupSend(self._step, 0, list(range(self._layout.num_layers)),
+                                       self._end_of_step_tasks,
+                                       event=_record_event(self._device_type)))
+        for task in self._final_tasks:
+            self._sender.put(FinishTransfer(task, t_compute_end=t_end))
+        self._group_items, self._group_of_end_layer = [], {}
+        self._end_of_step_tasks, self._final_tasks = [], []
+        self._next_group = 0
+
+    # ------------------------------------------------------------------ completions
+    def finished_sending(self) -> set[str]:
+        """Requests whose held blocks vLLM may free now."""
+        if not self._releases:
+            return set()
+        done: set[str] = set()
+        now = time.monotonic()
+        state = self._sender.state
+        with state.lock:
+            for req_id, (tid, deadline) in list(self._releases.items()):
+                out = state.transfers.get(tid)
+                if out is None or out.terminal:
+                    done.add(req_id)
+                elif now > deadline and not out.in_use:
+                    logger.warning(
+                        "LayerKV transfer %s (request %s): no acknowledgement from decode "
+                        "within ack_timeout_s=%.0f s (state %s); freeing its blocks",
+                        tid, req_id, self._config.ack_timeout_s, out.state)
+                    out.state, out.reason = "failed", "ack timeout"
+                    done.add(req_id)
+                if req_id in done:
+                    del self._releases[req_id]
+                    state.transfers.pop(tid, None)
+        return done
+
+    def has_pending(self) -> bool:
+        return bool(self._releases)

@@ -1,0 +1,185 @@
+"""LayerKV wire format: every message that crosses a process boundary, as msgspec structs.
+
+Two channels use it:
+
+* the **control channel**, D scheduler -> P scheduler: ``Register`` (D's block ids and data
+  endpoints for one transfer), ``Cancel``; answered by ``RegisterAck`` / ``Refused``.
+* the **data channel**, P worker -> D worker: ``Hello`` (compatibility check) answered by
+  ``HelloAck`` / ``Refused``; then ``BlockData`` headers each followed by raw KV bytes,
+  ``TransferDone`` / ``TransferAbort``; D answers each finished transfer with ``TransferAck``.
+
+Framing: a 4-byte big-endian length, then the msgpack-encoded message (a tagged union, so the
+receiver decodes without knowing the type). ``BlockData`` is followed by ``nbytes`` of payload.
+
+``PROTOCOL_VERSION`` changes whenever a message changes shape or meaning; ``CompatInfo`` carries
+it together with everything that must match for raw KV bytes to mean the same on both sides.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from typing import Union
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+FRAME_HEADER = struct.Struct("!I")
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+class ProtocolError(RuntimeError):
+    """A peer sent something that does not follow this protocol."""
+
+
+class CompatInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """What must be equal on P and D for P's KV bytes to be valid in D's cache."""
+
+    protocol_version: int = PROTOCOL_VERSION
+    vllm_version: str
+    model: str
+    dtype: str
+    kv_layout: str
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    num_layers: int
+    block_bytes: int
+
+    def hash(self) -> str:
+        return hashlib.sha256(msgspec.msgpack.encode(self)).hexdigest()[:16]
+
+    def differences(self, other: CompatInfo) -> list[str]:
+        """Names of the fields that differ, each as ``name: mine != theirs``."""
+        out = []
+        for name in self.__struct_fields__:
+            a, b = getattr(self, name), getattr(other, name)
+            if a != b:
+                out.append(f"{name}: {a!r} != {b!r}")
+        return out
+
+
+def compatibility_error(local: CompatInfo, remote: CompatInfo, remote_name: str) -> str | None:
+    """None if compatible, else an error message naming every differing field."""
+    if local.hash() == remote.hash():
+        return None
+    diffs = local.differences(remote)
+    return (
+        f"LayerKV compatibility check failed against {remote_name}: "
+        + "; ".join(diffs)
+        + ". Prefill and decode must serve the same model with the same dtype, block size and "
+        "vLLM/LayerKV versions."
+    )
+
+
+# ---------------------------------------------------------------- control channel (schedulers)
+
+
+class Register(msgspec.Struct, tag=True, kw_only=True):
+    """D -> P: D has allocated blocks for ``transfer_id``; push the KV there."""
+
+    transfer_id: str
+    engine_id: str
+    compat: CompatInfo
+    tp_size: int
+    data_endpoints: list[str]
+    """host:port of each D TP rank's data listener, indexed by rank."""
+    block_ids: list[int]
+    """D's block ids for the request's tokens, in token order (first attention KV group)."""
+    start_token: int
+    """D already holds tokens [0, start_token) (local prefix-cache hit); send from here."""
+    num_tokens: int
+    """Tokens D needs KV for (prompt length as D sees it)."""
+
+
+class Cancel(msgspec.Struct, tag=True, kw_only=True):
+    """D -> P: forget ``transfer_id`` (D aborted or timed out)."""
+
+    transfer_id: str
+    reason: str
+
+
+class RegisterAck(msgspec.Struct, tag=True, kw_only=True):
+    transfer_id: str
+    tp_size: int
+    """P's TP size: each D rank expects one TransferDone per mapped P rank."""
+
+
+class Refused(msgspec.Struct, tag=True, kw_only=True):
+    """Answer to Register or Hello that cannot be honoured. ``reason`` is shown to users."""
+
+    transfer_id: str
+    reason: str
+
+
+# ---------------------------------------------------------------- data channel (workers)
+
+
+class Hello(msgspec.Struct, tag=True, kw_only=True):
+    """P worker -> D worker, first message on a data connection."""
+
+    compat: CompatInfo
+    engine_id: str
+    tp_rank: int
+    tp_size: int
+
+
+class HelloAck(msgspec.Struct, tag=True, kw_only=True):
+    tp_rank: int
+
+
+class BlockData(msgspec.Struct, tag=True, kw_only=True):
+    """Header of one bulk write; ``nbytes`` of payload follow. Payload order: for each layer in
+    ``layers``, for each block in ``dst_blocks``, the block's bytes for that layer."""
+
+    transfer_id: str
+    layers: list[int]
+    dst_blocks: list[int]
+    block_bytes: int
+    nbytes: int
+
+
+class TransferDone(msgspec.Struct, tag=True, kw_only=True):
+    """P rank ``tp_rank`` has sent everything for ``transfer_id``."""
+
+    transfer_id: str
+    tp_rank: int
+    frames: int
+    nbytes: int
+
+
+class TransferAbort(msgspec.Struct, tag=True, kw_only=True):
+    """P gives up on ``transfer_id``: D must fail the request."""
+
+    transfer_id: str
+    reason: str
+
+
+class TransferAck(msgspec.Struct, tag=True, kw_only=True):
+    """D -> P: D is done with ``transfer_id`` (ok=False: D dropped it, e.g. aborted)."""
+
+    transfer_id: str
+    ok: bool
+    reason: str = ""
+
+
+Message = Union[
+    Register, Cancel, RegisterAck, Refused, Hello, HelloAck, BlockData, TransferDone,
+    TransferAbort, TransferAck,
+]
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Message) -> bytes:
+    """Length-prefixed frame for ``msg``."""
+    body = _encoder.encode(msg)
+    return FRAME_HEADER.pack(len(body)) + body
+
+
+def decode(body: bytes | memoryview) -> Message:
+    try:
+        return _decoder.decode(body)
+    except msgspec.DecodeError as e:
+        raise ProtocolError(f"undecodable LayerKV message: {e}") from None

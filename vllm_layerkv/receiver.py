@@ -1,0 +1,188 @@
+"""Decode-side bookkeeping of incoming transfers (the transport's ReceiveSink).
+
+Receiver threads (transport) and the worker's main thread share this table. The invariant that
+keeps KV memory safe: a transfer's blocks are written only while the transfer is *open*, and a
+transfer is reported to vLLM (finished or failed) only after it is closed and no write into it is
+in progress. After that vLLM may hand the blocks to another request; late frames for a closed
+transfer are read off the wire and dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from vllm_layerkv import tp
+from vllm_layerkv.metadata import RecvTask
+from vllm_layerkv.protocol import CompatInfo, Hello, TransferAck, compatibility_error
+from vllm_layerkv.stats import WorkerStats
+
+logger = logging.getLogger("vllm.layerkv.receiver")
+TOMBSTONE_S = 600.0
+
+
+@dataclass
+class _Incoming:
+    req_id: str
+    transfer_id: str
+    allowed_blocks: frozenset[int]
+    t_expected: float
+    sources: set[tuple[str, int]] = field(default_factory=set)
+    done_ranks: set[int] = field(default_factory=set)
+    expected_ranks: set[int] | None = None
+    writers: int = 0
+    nbytes: int = 0
+
+
+class RecvTable:
+    def __init__(self, compat: CompatInfo, tp_rank: int, tp_size: int, unknown_wait_s: float,
+                 stats: WorkerStats):
+        self.tp_rank = tp_rank
+        self._tp_size = tp_size
+        self._compat = compat
+        self._unknown_wait_s = unknown_wait_s
+        self._stats = stats
+        self._cond = threading.Condition()
+        self._open: dict[str, _Incoming] = {}
+        self._closed: dict[str, float] = {}  # transfer_id -> when (tombstones)
+        self._finished: set[str] = set()
+        self._failed: set[str] = set()
+        self.results_ready = threading.Event()
+
+    # ----------------------------------------------------------- worker thread
+    def expect(self, task: RecvTask) -> None:
+        with self._cond:
+            self._open[task.transfer_id] = _Incoming(
+                req_id=task.req_id, transfer_id=task.transfer_id,
+                allowed_blocks=frozenset(task.block_ids), t_expected=time.monotonic())
+            self._cond.notify_all()
+
+    def close(self, transfer_id: str, failed: bool, reason: str) -> None:
+        """Stop accepting KV for ``transfer_id`` and report its request: as failed, or (request
+        already ended) as merely finished. No-op if it already completed: it is reported as
+        finished, which frees its blocks just the same."""
+        with self._cond:
+            inc = self._open.get(transfer_id)
+            if inc is None:
+                return
+            while inc.writers:
+                self._cond.wait()
+            self._finish_locked(inc, "failed" if failed else "cancelled", reason)
+
+    def drain(self) -> tuple[set[str], set[str]]:
+        """(finished, failed) request ids since the last call; failed ⊆ finished is NOT
+        implied here (the connector adds failed ones to finished for vLLM)."""
+        with self._cond:
+            finished, self._finished = self._finished, set()
+            failed, self._failed = self._failed, set()
+            self.results_ready.clear()
+            now = time.monotonic()
+            for tid in [t for t, at in self._closed.items() if now - at > TOMBSTONE_S]:
+                del self._closed[tid]
+        return finished, failed
+
+    def pending(self) -> int:
+        with self._cond:
+            return len(self._open)
+
+    def _finish_locked(self, inc: _Incoming, outcome: str, reason: str) -> None:
+        """outcome: "ok" (all KV arrived), "failed", or "cancelled" (the request ended)."""
+        del self._open[inc.transfer_id]
+        self._closed[inc.transfer_id] = time.monotonic()
+        if outcome == "cancelled":
+            self._finished.add(inc.req_id)
+        elif outcome == "failed":
+            logger.error("LayerKV transfer %s (request %s) failed: %s", inc.transfer_id,
+                         inc.req_id, reason)
+            self._failed.add(inc.req_id)
+            self._stats.record_failed()
+        else:
+            self._finished.add(inc.req_id)
+            self._stats.record_received(inc.nbytes, time.monotonic() - inc.t_expected)
+        self.results_ready.set()
+        self._cond.notify_all()
+
+    # ----------------------------------------------------------- receiver threads
+    def check_hello(self, hello: Hello) -> str | None:
+        err = compatibility_error(self._compat, hello.compat, f"prefill {hello.engine_id}")
+        if err is not None:
+            return err
+        try:
+            tp.source_ranks(self.tp_rank, self._tp_size, hello.tp_size)
+        except tp.TPMismatchError as e:
+            return str(e)
+        return None
+
+    def begin_write(self, transfer_id: str, dst_blocks: Sequence[int],
+                    source: tuple[str, int]) -> bool:
+        with self._cond:
+            inc = self._wait_known_locked(transfer_id)
+            if inc is None:
+                return False
+            bad = [b for b in dst_blocks if b not in inc.allowed_blocks]
+            if bad:
+                self._finish_locked(inc, "failed", f"prefill wrote to blocks {bad[:8]} that are not "
+                                                "allocated to this transfer")
+                return False
+            inc.sources.add(source)
+            inc.writers += 1
+            return True
+
+    def end_write(self, transfer_id: str, nbytes: int = 0) -> None:
+        with self._cond:
+            inc = self._open.get(transfer_id)
+            if inc is not None:
+                inc.writers -= 1
+                inc.nbytes += nbytes
+            self._cond.notify_all()
+
+    def on_done(self, transfer_id: str, src_rank: int, src_tp: int, frames: int,
+                nbytes: int) -> TransferAck | None:
+        with self._cond:
+            inc = self._wait_known_locked(transfer_id)
+            if inc is None:
+                return TransferAck(transfer_id=transfer_id, ok=False,
+                                   reason="decode no longer waits for this transfer")
+            if inc.expected_ranks is None:
+                inc.expected_ranks = set(tp.source_ranks(self.tp_rank, self._tp_size, src_tp))
+            inc.done_ranks.add(src_rank)
+            if inc.done_ranks >= inc.expected_ranks:
+                self._finish_locked(inc, "ok", "")
+                return TransferAck(transfer_id=transfer_id, ok=True)
+            return None
+
+    def on_abort(self, transfer_id: str, reason: str) -> None:
+        with self._cond:
+            inc = self._open.get(transfer_id)
+            if inc is None:
+                return
+            while inc.writers:
+                self._cond.wait()
+            self._finish_locked(inc, "failed", f"prefill aborted the transfer: {reason}")
+
+    def on_source_lost(self, engine_id: str, src_rank: int, reason: str) -> None:
+        with self._cond:
+            for inc in list(self._open.values()):
+                if (engine_id, src_rank) in inc.sources and src_rank not in inc.done_ranks:
+                    while inc.writers:
+                        self._cond.wait()
+                    if inc.transfer_id in self._open:
+                        self._finish_locked(inc, "failed", f"prefill rank {src_rank}: {reason}")
+
+    def _wait_known_locked(self, transfer_id: str) -> _Incoming | None:
+        """The open transfer, waiting briefly if P is faster than this worker learning about
+        it from its scheduler (the registration goes to P before the worker's next step)."""
+        deadline = time.monotonic() + self._unknown_wait_s
+        while True:
+            inc = self._open.get(transfer_id)
+            if inc is not None or transfer_id in self._closed:
+                return inc
+            left = deadline - time.monotonic()
+            if left <= 0:
+                logger.warning("dropping KV for unknown transfer %s", transfer_id)
+                self._closed[transfer_id] = time.monotonic()
+                return None
+            self._cond.wait(left)

@@ -1,0 +1,77 @@
+"""The ``kv_transfer_params`` a client (the proxy) puts on a request, parsed and validated.
+
+Prefill:  {"do_remote_decode": true, "transfer_id": "<id>"}
+Decode:   {"do_remote_prefill": true, "transfer_id": "<id>", "remote_host": "<P host>",
+           "remote_port": <P registration port>}
+Discovery (proxy start-up): {"layerkv_discover": true} on a prefill instance; its response
+carries {"layerkv_endpoint": "host:port"}.
+
+Anything else that mentions these keys but is malformed raises ``ParamsError`` with a message
+saying what to change; the connector then serves the request locally and returns the message as
+``kv_transfer_params.layerkv_error`` in the response (a request is never dropped or crashed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+MAX_TRANSFER_ID_LEN = 256
+
+
+class ParamsError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class PrefillParams:
+    transfer_id: str
+
+
+@dataclass(frozen=True)
+class DecodeParams:
+    transfer_id: str
+    remote_endpoint: str
+
+
+@dataclass(frozen=True)
+class DiscoverParams:
+    pass
+
+
+Parsed = PrefillParams | DecodeParams | DiscoverParams | None
+
+
+def parse(params: Any) -> Parsed:
+    """The LayerKV role a request asks for, or None for a plain local request."""
+    if params is None:
+        return None
+    if not isinstance(params, dict):
+        raise ParamsError(f"kv_transfer_params must be a JSON object, got {type(params).__name__}")
+    if params.get("layerkv_discover"):
+        return DiscoverParams()
+    remote_decode = bool(params.get("do_remote_decode"))
+    remote_prefill = bool(params.get("do_remote_prefill"))
+    if not (remote_decode or remote_prefill):
+        return None
+    if remote_decode and remote_prefill:
+        raise ParamsError("kv_transfer_params sets both do_remote_decode and do_remote_prefill; "
+                          "set do_remote_decode on the prefill request only and "
+                          "do_remote_prefill on the decode request only")
+    tid = params.get("transfer_id")
+    if not isinstance(tid, str) or not tid or len(tid) > MAX_TRANSFER_ID_LEN:
+        raise ParamsError("kv_transfer_params.transfer_id must be a non-empty string of at most "
+                          f"{MAX_TRANSFER_ID_LEN} characters (the same on the prefill and the "
+                          "decode request), got " + repr(tid)[:80])
+    if remote_decode:
+        return PrefillParams(tid)
+    host, port = params.get("remote_host"), params.get("remote_port")
+    if not isinstance(host, str) or not host:
+        raise ParamsError("kv_transfer_params.remote_host must be the prefill instance's LayerKV "
+                          f"host (a string), got {host!r}")
+    if isinstance(port, str) and port.isdigit():
+        port = int(port)
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+        raise ParamsError("kv_transfer_params.remote_port must be the prefill instance's LayerKV "
+                          f"registration port (1-65535), got {port!r}")
+    return DecodeParams(tid, f"{host}:{port}")

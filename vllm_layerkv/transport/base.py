@@ -1,0 +1,104 @@
+"""The transport interface: what LayerKV needs from a byte mover.
+
+P side: a ``SendChannel`` per decode rank, opened with a handshake (``Hello``: the compatibility
+check) and then used by exactly one thread, the sender, to write whole KV blocks of a set of
+layers into the decode instance's blocks, followed by ``TransferDone`` or ``TransferAbort``.
+Acknowledgements arrive asynchronously through a callback.
+
+D side: the transport writes incoming blocks straight into KV memory. It asks a ``ReceiveSink``
+(the decode worker's bookkeeping) before every write whether the transfer is still wanted and
+whether the blocks belong to it, so a transfer that was aborted or timed out can never write into
+blocks vLLM already gave to another request.
+
+Memory today is host memory (CPU KV caches). A device-memory transport (NIXL, Mooncake, CUDA IPC)
+implements the same calls on registered device regions.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import numpy as np
+
+from vllm_layerkv.protocol import Hello, TransferAck
+
+
+class TransportError(RuntimeError):
+    """A transfer could not be carried out (peer unreachable, refused, connection lost)."""
+
+
+class SendChannel(ABC):
+    """P worker -> one D worker. Not thread-safe: one sender thread owns it."""
+
+    @abstractmethod
+    def write_blocks(
+        self,
+        transfer_id: str,
+        layers: Sequence[int],
+        src_blocks: Sequence[int],
+        dst_blocks: Sequence[int],
+    ) -> int:
+        """Copy every listed layer's ``src_blocks`` into the peer's ``dst_blocks``; returns
+        bytes moved. Blocks until the source memory may be reused."""
+
+    @abstractmethod
+    def send_done(self, transfer_id: str, tp_rank: int, frames: int, nbytes: int) -> None: ...
+
+    @abstractmethod
+    def send_abort(self, transfer_id: str, reason: str) -> None: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    @property
+    @abstractmethod
+    def alive(self) -> bool: ...
+
+
+class ReceiveSink(Protocol):
+    """Decode-worker bookkeeping the receiving side of a transport reports to."""
+
+    def check_hello(self, hello: Hello) -> str | None:
+        """None to accept a sender, else the refusal reason."""
+
+    def begin_write(self, transfer_id: str, dst_blocks: Sequence[int],
+                    source: tuple[str, int]) -> bool:
+        """True (and hold the transfer open) if the blocks may be written now."""
+
+    def end_write(self, transfer_id: str, nbytes: int) -> None: ...
+
+    def on_done(self, transfer_id: str, src_rank: int, src_tp: int, frames: int,
+                nbytes: int) -> TransferAck | None:
+        """A source finished; returns the ack to send back once D is done with it."""
+
+    def on_abort(self, transfer_id: str, reason: str) -> None: ...
+
+    def on_source_lost(self, engine_id: str, src_rank: int, reason: str) -> None: ...
+
+
+class Transport(ABC):
+    name: str
+
+    @abstractmethod
+    def open_channel(
+        self,
+        endpoint: str,
+        hello: Hello,
+        src_views: list[np.ndarray],
+        on_ack: Callable[[TransferAck], None],
+        on_lost: Callable[[str], None],
+        timeout: float,
+    ) -> SendChannel:
+        """Connect to a decode rank's data endpoint and pass its compatibility check."""
+
+    @abstractmethod
+    def start_receiver(
+        self, host: str, port: int, sink: ReceiveSink, dst_views: list[np.ndarray],
+        io_timeout: float,
+    ) -> str:
+        """Listen for senders; returns the endpoint (host:port) to publish."""
+
+    @abstractmethod
+    def shutdown(self) -> None: ...

@@ -1,0 +1,92 @@
+"""Blocking socket helpers shared by the control channel and the TCP data transport."""
+
+from __future__ import annotations
+
+import socket
+
+from vllm_layerkv.protocol import (
+    FRAME_HEADER,
+    MAX_MESSAGE_BYTES,
+    Message,
+    ProtocolError,
+    decode,
+    encode,
+)
+
+
+class PeerClosed(ConnectionError):
+    """The peer closed the connection."""
+
+
+def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` completely from ``sock`` (raises PeerClosed on EOF)."""
+    got, n = 0, len(view)
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise PeerClosed("connection closed by peer")
+        got += k
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    recv_exact_into(sock, memoryview(buf))
+    return buf
+
+
+def recv_message(sock: socket.socket) -> Message:
+    (length,) = FRAME_HEADER.unpack(recv_exact(sock, FRAME_HEADER.size))
+    if length > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"message of {length} bytes exceeds the {MAX_MESSAGE_BYTES} limit")
+    return decode(recv_exact(sock, length))
+
+
+def send_message(sock: socket.socket, msg: Message) -> None:
+    sock.sendall(encode(msg))
+
+
+def discard(sock: socket.socket, n: int, scratch: memoryview) -> None:
+    """Read and drop ``n`` bytes (payload of a transfer nobody wants any more)."""
+    while n > 0:
+        k = min(n, len(scratch))
+        recv_exact_into(sock, scratch[:k])
+        n -= k
+
+
+def connect(address: str, timeout: float) -> socket.socket:
+    """Open a TCP connection to ``host:port`` with Nagle off and big buffers."""
+    host, port = split_endpoint(address)
+    sock = socket.create_connection((host, port), timeout=timeout)
+    tune(sock)
+    return sock
+
+
+def tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, opt, 8 * 1024 * 1024)
+        except OSError:
+            pass
+
+
+def listen(host: str, port: int) -> socket.socket:
+    srv = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        srv.bind((host, port))
+    except OSError as e:
+        srv.close()
+        raise OSError(
+            f"LayerKV cannot listen on {host}:{port} ({e}); set a free port in "
+            "kv_connector_extra_config (0 = any free port) or a local address as 'host'"
+        ) from None
+    srv.listen(128)
+    return srv
+
+
+def split_endpoint(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"endpoint {address!r} is not host:port")
+    return host.strip("[]"), int(port)

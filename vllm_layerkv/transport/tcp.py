@@ -1,0 +1,265 @@
+"""Embedded TCP transport: plain sockets, no dependency, zero-copy on host memory.
+
+P sends one ``BlockData`` header per (transfer, layer group), then the payload straight from the
+KV tensors' memory (``sendall`` on numpy views, one call per run of adjacent blocks per layer).
+D reads the header, validates it against its bookkeeping and ``recv_into``s the payload straight
+into its own KV blocks; there is no intermediate buffer on either side, so on loopback KV moves
+at memory-copy-like rates. One TCP connection per (P rank, D rank) keeps every transfer's frames
+in order, which is what makes re-sending a partially filled block on the next chunk correct.
+
+Threads: D runs one accept thread and one reader thread per connection; P runs one ack-reader
+thread per connection (the sender thread writes).
+"""
+
+from __future__ import annotations
+
+import logging
+import select
+import socket
+import threading
+from collections.abc import Callable, Iterator, Sequence
+
+import numpy as np
+
+from vllm_layerkv.protocol import (
+    BlockData,
+    Hello,
+    HelloAck,
+    Refused,
+    TransferAbort,
+    TransferAck,
+    TransferDone,
+)
+from vllm_layerkv.transport import framing
+from vllm_layerkv.transport.base import ReceiveSink, SendChannel, Transport, TransportError
+
+logger = logging.getLogger("vllm.layerkv.transport.tcp")
+SCRATCH_BYTES = 4 * 1024 * 1024
+
+
+def block_runs(blocks: Sequence[int]) -> Iterator[tuple[int, int]]:
+    """Maximal runs of consecutive ids as half-open (start, end) pairs, in order."""
+    it = iter(blocks)
+    try:
+        start = prev = next(it)
+    except StopIteration:
+        return
+    for b in it:
+        if b != prev + 1:
+            yield start, prev + 1
+            start = b
+        prev = b
+    yield start, prev + 1
+
+
+class TcpSendChannel(SendChannel):
+    def __init__(self, sock: socket.socket, endpoint: str, src_views: list[np.ndarray],
+                 on_ack: Callable[[TransferAck], None], on_lost: Callable[[str], None]):
+        self._sock = sock
+        self._endpoint = endpoint
+        self._views = src_views
+        self._on_ack = on_ack
+        self._on_lost = on_lost
+        self._alive = True
+        self._reader = threading.Thread(
+            target=self._read_acks, name=f"layerkv-acks-{endpoint}", daemon=True
+        )
+        self._reader.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._alive
+
+    def write_blocks(self, transfer_id: str, layers: Sequence[int], src_blocks: Sequence[int],
+                     dst_blocks: Sequence[int]) -> int:
+        if len(src_blocks) != len(dst_blocks):
+            raise ValueError("src_blocks and dst_blocks differ in length")
+        block_bytes = self._views[0].shape[1]
+        nbytes = len(layers) * len(src_blocks) * block_bytes
+        header = BlockData(transfer_id=transfer_id, layers=list(layers),
+                           dst_blocks=list(dst_blocks), block_bytes=block_bytes, nbytes=nbytes)
+        runs = list(block_runs(src_blocks))
+        try:
+            framing.send_message(self._sock, header)
+            for layer in layers:
+                view = self._views[layer]
+                for start, end in runs:
+                    self._sock.sendall(memoryview(view[start:end]).cast("B"))
+        except OSError as e:
+            self._fail(f"send to {self._endpoint} failed: {e}")
+            raise TransportError(f"send to decode {self._endpoint} failed: {e}") from None
+        return nbytes
+
+    def send_done(self, transfer_id: str, tp_rank: int, frames: int, nbytes: int) -> None:
+        self._send(TransferDone(transfer_id=transfer_id, tp_rank=tp_rank, frames=frames,
+                                nbytes=nbytes))
+
+    def send_abort(self, transfer_id: str, reason: str) -> None:
+        self._send(TransferAbort(transfer_id=transfer_id, reason=reason))
+
+    def close(self) -> None:
+        self._alive = False
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+
+    def _send(self, msg: TransferDone | TransferAbort) -> None:
+        try:
+            framing.send_message(self._sock, msg)
+        except OSError as e:
+            self._fail(f"send to {self._endpoint} failed: {e}")
+            raise TransportError(f"send to decode {self._endpoint} failed: {e}") from None
+
+    def _read_acks(self) -> None:
+        self._sock.settimeout(None)  # acks may be minutes apart; liveness comes from TCP
+        try:
+            while True:
+                msg = framing.recv_message(self._sock)
+                if isinstance(msg, TransferAck):
+                    self._on_ack(msg)
+                else:
+                    logger.warning("unexpected %s from decode %s", type(msg).__name__,
+                                   self._endpoint)
+        except (OSError, framing.PeerClosed, Exception) as e:  # noqa: BLE001 - thread boundary
+            self._fail(f"connection to decode {self._endpoint} lost: {e}")
+
+    def _fail(self, reason: str) -> None:
+        if self._alive:
+            self._alive = False
+            self._on_lost(reason)
+
+
+class TcpTransport(Transport):
+    name = "tcp"
+
+    def __init__(self) -> None:
+        self._server: socket.socket | None = None
+        self._stop = threading.Event()
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ P side
+    def open_channel(self, endpoint: str, hello: Hello, src_views: list[np.ndarray],
+                     on_ack: Callable[[TransferAck], None], on_lost: Callable[[str], None],
+                     timeout: float) -> SendChannel:
+        try:
+            sock = framing.connect(endpoint, timeout)
+            framing.send_message(sock, hello)
+            reply = framing.recv_message(sock)
+        except (OSError, framing.PeerClosed) as e:
+            raise TransportError(f"cannot reach decode data endpoint {endpoint}: {e}") from None
+        if isinstance(reply, Refused):
+            sock.close()
+            raise TransportError(f"decode {endpoint} refused the connection: {reply.reason}")
+        if not isinstance(reply, HelloAck):
+            sock.close()
+            raise TransportError(f"decode {endpoint} answered {type(reply).__name__} to Hello")
+        sock.settimeout(None)
+        return TcpSendChannel(sock, endpoint, src_views, on_ack, on_lost)
+
+    # ------------------------------------------------------------------ D side
+    def start_receiver(self, host: str, port: int, sink: ReceiveSink,
+                       dst_views: list[np.ndarray], io_timeout: float) -> str:
+        self._server = framing.listen(host, port)
+        bound_port = self._server.getsockname()[1]
+        threading.Thread(target=self._accept_loop, args=(sink, dst_views, io_timeout),
+                         name="layerkv-accept", daemon=True).start()
+        return f"{host}:{bound_port}"
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        if self._server is not None:
+            self._server.close()
+        with self._lock:
+            conns = list(self._conns)
+        for c in conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            c.close()
+
+    def _accept_loop(self, sink: ReceiveSink, views: list[np.ndarray], io_timeout: float) -> None:
+        assert self._server is not None
+        while not self._stop.is_set():
+            try:
+                conn, addr = self._server.accept()
+            except OSError:
+                return
+            framing.tune(conn)
+            conn.settimeout(io_timeout)
+            with self._lock:
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn, addr, sink, views),
+                             name=f"layerkv-recv-{addr[1]}", daemon=True).start()
+
+    def _serve(self, conn: socket.socket, addr: tuple, sink: ReceiveSink,
+               views: list[np.ndarray]) -> None:
+        peer = f"{addr[0]}:{addr[1]}"
+        hello: Hello | None = None
+        scratch = memoryview(bytearray(SCRATCH_BYTES))
+        try:
+            first = framing.recv_message(conn)
+            if not isinstance(first, Hello):
+                raise TransportError(f"expected Hello, got {type(first).__name__}")
+            refusal = sink.check_hello(first)
+            if refusal is not None:
+                logger.error("refusing LayerKV sender %s: %s", peer, refusal)
+                framing.send_message(conn, Refused(transfer_id="", reason=refusal))
+                return
+            hello = first
+            framing.send_message(conn, HelloAck(tp_rank=getattr(sink, "tp_rank", 0)))
+            while not self._stop.is_set():
+                # Idle between transfers is fine; once a message starts, io_timeout applies.
+                readable, _, _ = select.select([conn], [], [], 1.0)
+                if not readable:
+                    continue
+                msg = framing.recv_message(conn)
+                if isinstance(msg, BlockData):
+                    self._receive_blocks(conn, msg, sink, views, scratch,
+                                         (hello.engine_id, hello.tp_rank))
+                elif isinstance(msg, TransferDone):
+                    ack = sink.on_done(msg.transfer_id, msg.tp_rank, hello.tp_size, msg.frames,
+                                       msg.nbytes)
+                    if ack is not None:
+                        framing.send_message(conn, ack)
+                elif isinstance(msg, TransferAbort):
+                    sink.on_abort(msg.transfer_id, msg.reason)
+                else:
+                    raise TransportError(f"unexpected {type(msg).__name__} on a data connection")
+        except (OSError, framing.PeerClosed, TransportError, Exception) as e:  # noqa: BLE001
+            if not self._stop.is_set() and hello is not None:
+                sink.on_source_lost(hello.engine_id, hello.tp_rank, f"connection lost: {e}")
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    @staticmethod
+    def _receive_blocks(conn: socket.socket, msg: BlockData, sink: ReceiveSink,
+                        views: list[np.ndarray], scratch: memoryview,
+                        source: tuple[str, int]) -> None:
+        block_bytes = views[0].shape[1]
+        expected = len(msg.layers) * len(msg.dst_blocks) * block_bytes
+        if msg.block_bytes != block_bytes or msg.nbytes != expected or any(
+            not 0 <= layer < len(views) for layer in msg.layers
+        ):
+            raise TransportError(
+                f"malformed BlockData for {msg.transfer_id}: block_bytes {msg.block_bytes} vs "
+                f"{block_bytes}, nbytes {msg.nbytes} vs {expected}"
+            )
+        if not sink.begin_write(msg.transfer_id, msg.dst_blocks, source):
+            framing.discard(conn, msg.nbytes, scratch)
+            return
+        written = 0
+        try:
+            runs = list(block_runs(msg.dst_blocks))
+            for layer in msg.layers:
+                view = views[layer]
+                for start, end in runs:
+                    framing.recv_exact_into(conn, memoryview(view[start:end]).cast("B"))
+            written = msg.nbytes
+        finally:
+            sink.end_write(msg.transfer_id, written)

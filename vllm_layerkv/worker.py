@@ -1,0 +1,123 @@
+"""Worker half of the connector: one per GPU/CPU worker process.
+
+Owns the KV layout (from ``register_kv_caches``), the transport, and the role-specific parts:
+``PrefillWorker`` + ``Sender`` thread on a producer, ``DecodeWorker`` (+ transport receiver
+threads) on a consumer, both on ``kv_both``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from vllm_layerkv.compat import tp_rank_and_size
+from vllm_layerkv.config import LayerKVConfig
+from vllm_layerkv.decode_worker import DecodeWorker
+from vllm_layerkv.layout import KVLayout, LayoutError, compat_info
+from vllm_layerkv.metadata import LayerKVHandshake, LayerKVMetadata
+from vllm_layerkv.prefill_worker import PrefillWorker
+from vllm_layerkv.protocol import Hello
+from vllm_layerkv.sender import Sender
+from vllm_layerkv.stats import LayerKVStats, WorkerStats
+from vllm_layerkv.trace import Tracer
+from vllm_layerkv.transport import create_transport
+
+logger = logging.getLogger("vllm.layerkv.worker")
+IDLE_WAIT_S = 0.002
+"""On a step with nothing scheduled, wait this long for a completion instead of returning at
+once: vLLM's engine loop steps continuously while requests wait for KV, and would otherwise
+spin a core."""
+
+
+class LayerKVWorker:
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, config: LayerKVConfig,
+                 is_producer: bool, is_consumer: bool):
+        self._vllm_config = vllm_config
+        self._kv_cache_config = kv_cache_config
+        self._config = config
+        self._is_producer = is_producer
+        self._is_consumer = is_consumer
+        self._engine_id = str(vllm_config.kv_transfer_config.engine_id)
+        self._tp_rank, self._tp_size = tp_rank_and_size()
+        self._compat = compat_info(vllm_config, kv_cache_config)
+        self._stats = WorkerStats()
+        self._tracer = Tracer(config.trace_path, "p" if is_producer else "d", self._tp_rank)
+        self._transport = create_transport(config.transport)
+        self._prefill: PrefillWorker | None = None
+        self._decode: DecodeWorker | None = None
+        self._sender: Sender | None = None
+        self._meta: LayerKVMetadata | None = None
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        layout = KVLayout.from_kv_caches(kv_caches, self._kv_cache_config.num_blocks)
+        if layout.block_bytes != self._compat.block_bytes:
+            raise LayoutError(
+                f"registered KV blocks are {layout.block_bytes} bytes per layer but the KV spec "
+                f"says {self._compat.block_bytes}; unsupported KV cache layout"
+            )
+        if layout.num_layers != self._compat.num_layers:
+            logger.info("LayerKV: %d distinct KV tensors for %d attention layers (KV sharing)",
+                        layout.num_layers, self._compat.num_layers)
+        views = layout.host_block_views()
+        if self._is_producer:
+            hello = Hello(compat=self._compat, engine_id=self._engine_id,
+                          tp_rank=self._tp_rank, tp_size=self._tp_size)
+            self._sender = Sender(self._transport, views, hello, self._tp_rank,
+                                  self._config.connect_timeout_s, self._stats, self._tracer)
+            self._prefill = PrefillWorker(self._config, layout, self._sender, self._tracer)
+        if self._is_consumer:
+            self._decode = DecodeWorker(self._config, layout, self._transport, self._compat,
+                                        self._tp_rank, self._tp_size, self._stats)
+        logger.info(
+            "LayerKV worker rank %d/%d ready: %d layers, %d blocks x %d B, transport %s%s",
+            self._tp_rank, self._tp_size, layout.num_layers, layout.num_blocks,
+            layout.block_bytes, self._transport.name,
+            f", data endpoint {self._decode.endpoint}" if self._decode else "")
+
+    def get_handshake_metadata(self) -> LayerKVHandshake:
+        return LayerKVHandshake(data_endpoint=self._decode.endpoint if self._decode else "")
+
+    # ------------------------------------------------------------------ per step
+    def bind(self, meta: LayerKVMetadata) -> None:
+        self._meta = meta
+        if self._prefill is not None:
+            self._prefill.bind(meta)
+        if self._decode is not None:
+            self._decode.bind(meta)
+
+    def on_layer_saved(self, layer_name: str) -> None:
+        if self._prefill is not None:
+            self._prefill.on_layer_saved(layer_name)
+
+    def end_step(self) -> None:
+        if self._prefill is not None:
+            self._prefill.end_step()
+        self._tracer.flush()
+
+    def clear(self) -> None:
+        self._meta = None
+
+    def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
+        """(finished_sending, finished_recving, failed_recving) since the last call."""
+        idle = self._meta is not None and self._meta.empty_step
+        sending: set[str] = set()
+        recving: set[str] = set()
+        failed: set[str] = set()
+        if self._prefill is not None:
+            if idle and self._prefill.has_pending() and self._sender is not None:
+                self._sender.state.changed.wait(IDLE_WAIT_S)
+                self._sender.state.changed.clear()
+            sending = self._prefill.finished_sending()
+        if self._decode is not None:
+            recving, failed = self._decode.results(IDLE_WAIT_S if idle else 0.0)
+        return sending, recving, failed
+
+    def stats(self) -> LayerKVStats | None:
+        return self._stats.take()
+
+    def shutdown(self) -> None:
+        if self._sender is not None:
+            self._sender.shutdown()
+        self._transport.shutdown()
