@@ -1,0 +1,88 @@
+"""``vllm-layerkv`` command line: argparse and dispatch only; the work lives in the modules.
+
+    vllm-layerkv proxy --prefill URL [URL ...] --decode URL [URL ...] --port N
+                       [--host 127.0.0.1] [--timeout S] [--log-level LEVEL]
+
+To add a subcommand: write ``_add_<name>(subparsers, common)`` that registers its arguments and
+sets ``func``, and call it from ``build_parser``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Callable, Sequence
+
+
+def _backend_url(role: str) -> Callable[[str], str]:
+    """argparse ``type=`` that validates a backend URL (the error names what to change)."""
+
+    def check(text: str) -> str:
+        from vllm_layerkv.proxy import parse_backend_url
+
+        try:
+            parse_backend_url(text, role)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return text
+
+    return check
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise argparse.ArgumentTypeError(f"port must be an integer in 1-65535, got {text!r}")
+    return int(text)
+
+
+def _run_proxy(args: argparse.Namespace) -> int:
+    from vllm_layerkv.proxy import run_proxy
+
+    run_proxy(args)
+    return 0
+
+
+def _add_proxy(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser(
+        "proxy", parents=[common], help="OpenAI-compatible prefill/decode proxy",
+        description="Route OpenAI completion/chat requests to a prefill and a decode vLLM "
+                    "instance at the same time (round-robin over each list); see docs/proxy.md.")
+    p.add_argument("--prefill", nargs="+", required=True, type=_backend_url("prefill"),
+                   metavar="URL", help="prefill instances, e.g. http://127.0.0.1:8100; append "
+                   "#kv=HOST:PORT to give the LayerKV endpoint instead of discovering it")
+    p.add_argument("--decode", nargs="+", required=True, type=_backend_url("decode"),
+                   metavar="URL", help="decode instances, e.g. http://127.0.0.1:8200")
+    p.add_argument("--port", type=_port, required=True, help="port the proxy listens on")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--timeout", type=float, default=600.0, metavar="S",
+                   help="seconds to wait at start-up for backends to become healthy "
+                        "(default 600)")
+    p.set_defaults(func=_run_proxy)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    # Options every subcommand takes (given after the subcommand's name).
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--log-level", default="info",
+                        choices=["debug", "info", "warning", "error"],
+                        help="logging level (debug: one line per proxied request)")
+    parser = argparse.ArgumentParser(prog="vllm-layerkv",
+                                     description="LayerKV tools for vLLM P/D disaggregation")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_proxy(sub, common)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,863 @@
+"""OpenAI-compatible prefill/decode (P/D) proxy for LayerKV, built on aiohttp.
+
+Flow of one ``/v1/completions`` or ``/v1/chat/completions`` request::
+
+    client ──► proxy ──┬──► prefill P   body + max_tokens=1, stream=false,
+                       │                kv_transfer_params={do_remote_decode, transfer_id}
+                       └──► decode  D   body unchanged +
+                                        kv_transfer_params={do_remote_prefill, transfer_id,
+                                                            remote_host, remote_port}
+    client ◄── D's response (status, JSON body, or the SSE stream chunk by chunk)
+
+* P and D are picked round-robin, independently of each other (any xPyD layout).
+* Both upstream requests are sent **at the same time**. The LayerKV connector on D registers
+  with P's LayerKV endpoint (``remote_host:remote_port``) as soon as D has scheduled the request,
+  and P streams the KV layer group by layer group while it is still prefilling; waiting for P's
+  answer before sending D would serialise exactly what LayerKV overlaps.
+* ``transfer_id`` (a fresh uuid4 hex) is what P and D match the transfer on; it is also sent as
+  ``X-Request-Id`` to both so that the backends' logs line up.
+* If P fails, D's request is cancelled (closing its connection makes vLLM abort it) and P's
+  error goes to the client; if D fails, P is cancelled and D's error goes to the client. If the
+  client goes away, both upstream requests are cancelled.
+* Requests that need prompt logprobs (``prompt_logprobs``, or ``echo`` + ``logprobs`` on
+  ``/v1/completions``) cannot be served by D, which never computes the prompt's logits: they are
+  sent unchanged to a prefill instance alone (lm-eval's loglikelihood tasks rely on this).
+
+Discovery: the proxy learns each prefill instance's LayerKV endpoint by asking it. It fetches a
+model id from ``GET /v1/models`` and sends a 1-token completion with
+``kv_transfer_params={"layerkv_discover": true}``; the connector answers with
+``kv_transfer_params={"layerkv_endpoint": "HOST:PORT", ...}`` in the response. The endpoint can
+also be given explicitly as a URL fragment, ``http://p-host:8100#kv=HOST:PORT``.
+
+See docs/proxy.md for usage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Generic, Iterable, Sequence, TypeVar
+from urllib.parse import urlsplit
+
+import aiohttp
+from aiohttp import web
+
+logger = logging.getLogger("vllm_layerkv.proxy")
+
+COMPLETIONS_PATH = "/v1/completions"
+CHAT_PATH = "/v1/chat/completions"
+
+# Prompts can be long (and chat requests may carry base64 images): aiohttp's default 1 MiB
+# request-body limit would reject legitimate long-context benchmark requests.
+MAX_REQUEST_BYTES = 256 * 1024 * 1024
+
+# vLLM's HTTP server (uvicorn) closes idle keep-alive connections after 5 s by default. A pooled
+# client connection that is reused just as the server closes it fails the POST (aiohttp does not
+# retry non-idempotent requests), so pooled connections are dropped a little earlier than that.
+UPSTREAM_KEEPALIVE_S = 3.0
+
+HEALTH_TIMEOUT_S = 5.0
+DISCOVERY_TIMEOUT_S = 120.0
+# After D has fully answered, a still-running P request is left to finish on its own (aborting
+# it could race the connector's end-of-transfer bookkeeping); it is cancelled after this long.
+PREFILL_GRACE_S = 300.0
+
+_UNSPECIFIED_HOSTS = {"", "0.0.0.0", "::", "[::]"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Backends and round-robin
+# ---------------------------------------------------------------------------------------------
+
+
+def _parse_hostport(text: str, what: str) -> tuple[str, int]:
+    """``HOST:PORT`` / ``[v6]:PORT`` -> (host, port); ValueError naming ``what`` otherwise."""
+    host, sep, port_s = text.strip().rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port_s.isdigit() or not 0 < int(port_s) < 65536:
+        raise ValueError(f"{what} must be HOST:PORT with a port in 1-65535, got {text!r}")
+    return host, int(port_s)
+
+
+@dataclass
+class Backend:
+    """One vLLM OpenAI server (a prefill or a decode instance)."""
+
+    url: str
+    """Server root, e.g. ``http://10.0.0.5:8100`` (no trailing slash, no fragment)."""
+    role: str
+    """``"prefill"`` or ``"decode"``."""
+    kv_endpoint: tuple[str, int] | None = None
+    """Prefill only: the LayerKV endpoint D registers with (discovered or overridden)."""
+    kv_override: bool = False
+    """True when ``kv_endpoint`` came from the URL's ``#kv=HOST:PORT`` fragment."""
+    discover_lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
+
+    def __str__(self) -> str:
+        return f"{self.role} {self.url}"
+
+
+def parse_backend_url(text: str, role: str) -> Backend:
+    """Validate a backend URL from the command line or ``build_app``.
+
+    Accepts ``http(s)://host:port`` (the server root). Prefill URLs may carry
+    ``#kv=HOST:PORT`` to give the LayerKV endpoint explicitly. Raises ValueError with a message
+    saying what to change.
+    """
+    if role not in ("prefill", "decode"):
+        raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
+    raw = text.strip()
+    try:
+        parts = urlsplit(raw)
+        port = parts.port  # raises ValueError for a non-numeric / out-of-range port
+    except ValueError as e:
+        raise ValueError(f"invalid {role} URL {text!r}: {e}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"invalid {role} URL {text!r}: expected http://HOST:PORT "
+                         f"(e.g. http://127.0.0.1:8100)")
+    if parts.path not in ("", "/") or parts.query:
+        raise ValueError(f"invalid {role} URL {text!r}: give the server root "
+                         f"({parts.scheme}://{parts.netloc}), without a path such as /v1")
+    if port is None:
+        logger.warning("%s URL %s has no port; using the scheme's default", role, raw)
+    backend = Backend(url=f"{parts.scheme}://{parts.netloc}", role=role)
+    if parts.fragment:
+        if role != "prefill":
+            raise ValueError(f"invalid decode URL {text!r}: only prefill URLs take a "
+                             f"'#kv=HOST:PORT' fragment")
+        key, eq, value = parts.fragment.partition("=")
+        if key != "kv" or not eq:
+            raise ValueError(f"invalid prefill URL {text!r}: the fragment must be "
+                             f"'#kv=HOST:PORT' (the instance's LayerKV endpoint)")
+        backend.kv_endpoint = _parse_hostport(value, f"the '#kv=' part of {text!r}")
+        backend.kv_override = True
+    return backend
+
+
+T = TypeVar("T")
+
+
+class RoundRobin(Generic[T]):
+    """Cycles through a fixed list. Single-threaded (event loop), so no lock is needed."""
+
+    def __init__(self, items: Iterable[T]) -> None:
+        self.items: list[T] = list(items)
+        if not self.items:
+            raise ValueError("RoundRobin needs at least one item")
+        self._next = 0
+
+    def next(self) -> T:
+        item = self.items[self._next]
+        self._next = (self._next + 1) % len(self.items)
+        return item
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors and small helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def error_json(status: int, message: str, type_: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "code": status}}
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error",
+                   headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response(error_json(status, message, type_), status=status, headers=headers)
+
+
+class BadRequest(Exception):
+    """The client's request is malformed (HTTP 400)."""
+
+    def response(self) -> web.Response:
+        return error_response(400, str(self))
+
+
+class UpstreamError(Exception):
+    """A backend could not be reached, or is misconfigured: what the client gets (502)."""
+
+    def __init__(self, backend: Backend | None, message: str, status: int = 502) -> None:
+        super().__init__(message)
+        self.backend = backend
+        self.status = status
+
+    def response(self, headers: dict[str, str] | None = None) -> web.Response:
+        return error_response(self.status, str(self), "bad_gateway", headers)
+
+
+@dataclass
+class UpstreamReply:
+    """A fully read upstream response."""
+
+    backend: Backend
+    status: int
+    body: bytes
+    content_type: str
+
+    def response(self, headers: dict[str, str] | None = None) -> web.Response:
+        return web.Response(status=self.status, body=self.body, headers={
+            "Content-Type": self.content_type or "application/json", **(headers or {})})
+
+    def error_message(self) -> tuple[str, str]:
+        """(message, type) from a backend error body (OpenAI or vLLM style), for SSE events."""
+        text = self.body.decode("utf-8", "replace")
+        try:
+            js = json.loads(text)
+        except ValueError:
+            return text[:2000] or f"HTTP {self.status}", "upstream_error"
+        err = js.get("error", js) if isinstance(js, dict) else js
+        if isinstance(err, dict):
+            return str(err.get("message", text))[:2000], str(err.get("type", "upstream_error"))
+        return text[:2000], "upstream_error"
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+def _sse_error(status: int, message: str, type_: str) -> bytes:
+    # Same shape vLLM itself emits when a stream fails part-way, followed by [DONE].
+    return b"data: " + _dumps(error_json(status, message, type_)) + b"\n\ndata: [DONE]\n\n"
+
+
+def parse_request_body(raw: bytes, chat: bool) -> dict[str, Any]:
+    """Decode and minimally validate a completion/chat body; BadRequest says what to change."""
+    endpoint = CHAT_PATH if chat else COMPLETIONS_PATH
+    example = ('{"model": "...", "messages": [{"role": "user", "content": "Hi"}]}' if chat
+               else '{"model": "...", "prompt": "Hello"}')
+    if not raw.strip():
+        raise BadRequest(f"request body is empty; POST a JSON object to {endpoint}, e.g. {example}")
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise BadRequest(f"request body is not valid JSON ({e}); POST a JSON object to "
+                         f"{endpoint}, e.g. {example}") from None
+    if not isinstance(body, dict):
+        raise BadRequest(f"request body must be a JSON object, got a JSON {type(body).__name__}; "
+                         f"e.g. {example}")
+    if not isinstance(body.get("model"), str) or not body["model"]:
+        raise BadRequest("missing 'model': set it to the model name the backends serve "
+                         "(GET /v1/models lists it)")
+    if chat:
+        if not isinstance(body.get("messages"), list) or not body["messages"]:
+            raise BadRequest("missing 'messages': chat requests need a non-empty list of "
+                             "messages, e.g. [{\"role\": \"user\", \"content\": \"Hi\"}] "
+                             "(use /v1/completions for a plain 'prompt')")
+    elif body.get("prompt") is None:
+        raise BadRequest("missing 'prompt': completion requests need a 'prompt' (a string, a "
+                         "list of strings or of token ids); use /v1/chat/completions for "
+                         "'messages'")
+    return body
+
+
+def needs_prompt_logprobs(body: dict[str, Any], chat: bool) -> bool:
+    """True if the response must contain logprobs of the prompt, which only P computes."""
+    if body.get("prompt_logprobs") is not None:
+        return True
+    return (not chat) and bool(body.get("echo")) and body.get("logprobs") is not None
+
+
+def prefill_body(body: dict[str, Any], transfer_id: str, chat: bool) -> dict[str, Any]:
+    """The body sent to P: prefill the prompt, generate one token, keep the KV for D."""
+    p = dict(body)
+    p["max_tokens"] = 1
+    if chat and "max_completion_tokens" in p:
+        p["max_completion_tokens"] = 1
+    p["stream"] = False
+    # stream_options is rejected without stream=true; min_tokens > max_tokens is rejected;
+    # best_of >= n sampling is D's business (P makes exactly one sequence).
+    for key in ("stream_options", "min_tokens", "best_of"):
+        p.pop(key, None)
+    p["n"] = 1
+    p["kv_transfer_params"] = {"do_remote_decode": True, "transfer_id": transfer_id}
+    return p
+
+
+def decode_body(body: dict[str, Any], transfer_id: str, host: str, port: int) -> dict[str, Any]:
+    """The body sent to D: the client's request, plus where its KV comes from."""
+    d = dict(body)
+    d["kv_transfer_params"] = {"do_remote_prefill": True, "transfer_id": transfer_id,
+                               "remote_host": host, "remote_port": port}
+    return d
+
+
+async def _cancel_and_wait(tasks: Iterable[asyncio.Task[Any] | None]) -> None:
+    """Cancel unfinished tasks and wait until they have unwound (their upstream connections are
+    closed by then); close any open upstream response a finished task handed back."""
+    pending = []
+    for t in tasks:
+        if t is None:
+            continue
+        if not t.done():
+            t.cancel()
+            pending.append(t)
+        elif not t.cancelled() and t.exception() is None:
+            res = t.result()
+            if isinstance(res, aiohttp.ClientResponse):
+                res.close()  # no-op after a full read + release; drops the connection otherwise
+    if pending:
+        await asyncio.wait(pending)
+        for t in pending:
+            if not t.cancelled() and t.exception() is None:
+                res = t.result()
+                if isinstance(res, aiohttp.ClientResponse):
+                    res.close()
+
+
+def _answered_ok(task: asyncio.Task[Any]) -> bool:
+    """A finished upstream task holding a complete 200 reply. An open stream does not count:
+    its tokens still depend on the KV from P."""
+    if task.cancelled() or task.exception() is not None:
+        return False
+    res = task.result()
+    return isinstance(res, UpstreamReply) and res.status == 200
+
+
+class _ClientGone(Exception):
+    """Writing to the client failed: it disconnected."""
+
+
+class _StreamRelay:
+    """Copies an upstream SSE response to the client chunk by chunk.
+
+    The client response is only prepared when the first upstream chunk is in hand, so that an
+    error that happens before anything was streamed (e.g. P fails while D waits for the KV) can
+    still be returned with its real HTTP status.
+    """
+
+    def __init__(self, request: web.Request, upstream: aiohttp.ClientResponse,
+                 backend: Backend, headers: dict[str, str]) -> None:
+        self.request = request
+        self.upstream = upstream
+        self.backend = backend
+        self.headers = headers
+        self.response: web.StreamResponse | None = None
+
+    async def _write(self, data: bytes) -> None:
+        assert self.response is not None
+        try:
+            await self.response.write(data)
+        except (ConnectionError, RuntimeError) as e:  # RuntimeError: "transport is closing"
+            raise _ClientGone(str(e)) from None
+
+    async def run(self) -> None:
+        up = self.upstream
+        try:
+            first = await up.content.readany()
+            self.response = web.StreamResponse(status=up.status, headers={
+                "Content-Type": up.headers.get("Content-Type", "text/event-stream"),
+                "Cache-Control": "no-cache", **self.headers})
+            try:
+                await self.response.prepare(self.request)
+            except (ConnectionError, RuntimeError) as e:
+                raise _ClientGone(str(e)) from None
+            if first:
+                await self._write(first)
+            # iter_any yields whatever has arrived, so each upstream chunk is forwarded (and
+            # written to the socket) as soon as it is read: no buffering that would skew TTFT.
+            async for chunk in up.content.iter_any():
+                await self._write(chunk)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise UpstreamError(self.backend, f"{self.backend} broke off its response "
+                                f"stream: {e!r}") from None
+        finally:
+            if up.content.is_eof():
+                up.release()  # connection back to the pool
+            else:
+                up.close()  # cut short (client gone, P failed): closing makes vLLM abort
+
+    async def finish_with_error(self, status: int, message: str, type_: str) -> None:
+        """End an already started stream with an SSE error event (what vLLM does itself)."""
+        assert self.response is not None
+        try:
+            await self.response.write(_sse_error(status, message, type_))
+            await self.response.write_eof()
+        except (ConnectionError, RuntimeError):
+            pass
+
+
+# ---------------------------------------------------------------------------------------------
+# The proxy
+# ---------------------------------------------------------------------------------------------
+
+
+class ProxyApp:
+    """State and handlers of one proxy: backends, round-robin cursors, the HTTP client."""
+
+    def __init__(self, prefill: Sequence[Backend], decode: Sequence[Backend], *,
+                 startup_timeout: float = 600.0, connect_timeout: float = 10.0,
+                 api_key: str | None = None) -> None:
+        self.prefill = RoundRobin(prefill)
+        self.decode = RoundRobin(decode)
+        self.startup_timeout = startup_timeout
+        self.connect_timeout = connect_timeout
+        self.api_key = api_key
+        self._session: aiohttp.ClientSession | None = None
+        self._ready = asyncio.Event()  # set when start-up (health wait + discovery) is over
+        self._startup_task: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[Any]] = set()
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        assert self._session is not None, "ProxyApp used outside a running aiohttp app"
+        return self._session
+
+    async def on_startup(self, app: web.Application) -> None:
+        # One pooled session for everything. No total timeout: a streamed generation may run
+        # for minutes. Only establishing a connection is bounded, so a dead backend fails fast.
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0,
+                                         keepalive_timeout=UPSTREAM_KEEPALIVE_S)
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout))
+        # Start-up runs in the background so the proxy answers /health while backends boot.
+        self._startup_task = asyncio.create_task(self._startup())
+
+    async def on_cleanup(self, app: web.Application) -> None:
+        await _cancel_and_wait([self._startup_task, *self._background])
+        if self._session is not None:
+            await self._session.close()
+
+    async def wait_ready(self) -> None:
+        """Return once start-up (health wait + discovery) is over, successful or not."""
+        await self._ready.wait()
+
+    def _upstream_headers(self, request: web.Request | None, request_id: str | None
+                          ) -> dict[str, str]:
+        headers = {"Content-Type": "application/json"}
+        auth = request.headers.get("Authorization") if request is not None else None
+        if auth:
+            headers["Authorization"] = auth
+        elif self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        if request_id:
+            headers["X-Request-Id"] = request_id
+        return headers
+
+    # -- health and discovery -----------------------------------------------------------------
+
+    def all_backends(self) -> list[Backend]:
+        return [*self.prefill.items, *self.decode.items]
+
+    async def check_health(self, backend: Backend) -> tuple[bool, str]:
+        """(healthy, detail) from the backend's ``GET /health``."""
+        try:
+            async with self.session.get(backend.url + "/health", headers=self._upstream_headers(
+                    None, None), timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)) as r:
+                await r.read()
+                return r.status == 200, f"HTTP {r.status}"
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            return False, f"unreachable: {type(e).__name__}: {e}".rstrip(": ")
+
+    async def _startup(self) -> None:
+        """Wait (up to startup_timeout) for every backend's /health, then discover endpoints."""
+        try:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + self.startup_timeout
+            waiting = self.all_backends()
+            next_log = loop.time()
+            while True:
+                results = await asyncio.gather(*(self.check_health(b) for b in waiting))
+                waiting = [b for b, (ok, _) in zip(waiting, results, strict=True) if not ok]
+                now = loop.time()
+                if not waiting or now >= deadline:
+                    break
+                if now >= next_log:
+                    logger.info("waiting for backends to become healthy: %s",
+                                ", ".join(str(b) for b in waiting))
+                    next_log = now + 30.0
+                await asyncio.sleep(min(1.0, max(0.0, deadline - now)))
+            if waiting:
+                logger.error("backends still unhealthy after %g s: %s; requests that use them "
+                             "fail until they are up", self.startup_timeout,
+                             ", ".join(str(b) for b in waiting))
+            to_discover = [b for b in self.prefill.items if b not in waiting]
+            results = await asyncio.gather(*(self.kv_endpoint(b) for b in to_discover),
+                                           return_exceptions=True)
+            for res in results:
+                if isinstance(res, BaseException):  # already names the instance
+                    logger.error("%s", res)
+            logger.info("proxy ready: %d prefill, %d decode instance(s)",
+                        len(self.prefill.items), len(self.decode.items))
+        except Exception:
+            logger.exception("proxy start-up failed")
+        finally:
+            # Requests wait for this; unknown endpoints are then discovered lazily per request.
+            self._ready.set()
+
+    async def kv_endpoint(self, backend: Backend) -> tuple[str, int]:
+        """The LayerKV endpoint of a prefill instance: cached, else discovered now."""
+        if backend.kv_endpoint is not None:
+            return backend.kv_endpoint
+        async with backend.discover_lock:  # one probe at a time per instance
+            if backend.kv_endpoint is None:
+                backend.kv_endpoint = await self._discover(backend)
+                logger.info("%s: LayerKV endpoint %s:%d (discovered)", backend,
+                            *backend.kv_endpoint)
+            return backend.kv_endpoint
+
+    async def _discover(self, backend: Backend) -> tuple[str, int]:
+        timeout = aiohttp.ClientTimeout(total=DISCOVERY_TIMEOUT_S)
+        headers = self._upstream_headers(None, f"layerkv-discover-{uuid.uuid4().hex}")
+        try:
+            async with self.session.get(backend.url + "/v1/models", headers=headers,
+                                        timeout=timeout) as r:
+                text = await r.text(errors="replace")
+                if r.status != 200:
+                    raise UpstreamError(backend, f"LayerKV discovery: GET {backend.url}/v1/models "
+                                        f"answered HTTP {r.status}: {text[:500]}")
+            try:
+                model = json.loads(text)["data"][0]["id"]
+            except (ValueError, KeyError, IndexError, TypeError):
+                raise UpstreamError(backend, f"LayerKV discovery: GET {backend.url}/v1/models "
+                                    f"returned no model id: {text[:500]}") from None
+            probe = {"model": model, "prompt": "ping", "max_tokens": 1, "temperature": 0,
+                     "kv_transfer_params": {"layerkv_discover": True}}
+            async with self.session.post(backend.url + COMPLETIONS_PATH, data=_dumps(probe),
+                                         headers=headers, timeout=timeout) as r:
+                text = await r.text(errors="replace")
+                if r.status != 200:
+                    raise UpstreamError(backend, f"LayerKV discovery probe to {backend.url}"
+                                        f"{COMPLETIONS_PATH} answered HTTP {r.status}: "
+                                        f"{text[:500]}")
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            raise UpstreamError(backend, f"LayerKV discovery: {backend} is unreachable: "
+                                f"{type(e).__name__}: {e}") from None
+        try:
+            kv = json.loads(text).get("kv_transfer_params") or {}
+        except (ValueError, AttributeError):
+            kv = {}
+        endpoint = kv.get("layerkv_endpoint") if isinstance(kv, dict) else None
+        if not endpoint or not isinstance(endpoint, str):
+            extra = (f" (connector said: {kv['layerkv_error']})"
+                     if isinstance(kv, dict) and kv.get("layerkv_error") else "")
+            raise UpstreamError(backend, (
+                f"prefill instance {backend.url} does not run the LayerKV connector as "
+                f"kv_producer: its answer to the discovery probe has no "
+                f"kv_transfer_params.layerkv_endpoint{extra}. Start it with --kv-transfer-config "
+                f"'{{\"kv_connector\": \"LayerKV\", \"kv_role\": \"kv_producer\"}}', or give the "
+                f"endpoint explicitly as {backend.url}#kv=HOST:PORT"))
+        try:
+            host, port = _parse_hostport(endpoint, f"layerkv_endpoint from {backend.url}")
+        except ValueError as e:
+            raise UpstreamError(backend, str(e)) from None
+        url_host = urlsplit(backend.url).hostname or host
+        if host in _UNSPECIFIED_HOSTS:
+            # The connector listens on all interfaces: reach it where the HTTP server is.
+            host = url_host
+        elif host.startswith("127.") and not url_host.startswith("127.") \
+                and url_host != "localhost":
+            logger.warning("%s advertises LayerKV endpoint %s:%d on loopback; decode instances on "
+                           "other hosts cannot reach it (set the connector's host / VLLM_HOST_IP)",
+                           backend, host, port)
+        return host, port
+
+    # -- upstream requests --------------------------------------------------------------------
+
+    async def _send(self, backend: Backend, path: str, payload: bytes, headers: dict[str, str],
+                    allow_stream: bool) -> UpstreamReply | aiohttp.ClientResponse:
+        """POST to a backend. Returns the open response if it is a 200 SSE stream (and
+        allow_stream), else the fully read reply. Cancelling this closes the connection."""
+        try:
+            resp = await self.session.post(backend.url + path, data=payload, headers=headers)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            raise UpstreamError(backend, f"{backend} is unreachable: {type(e).__name__}: "
+                                f"{e}") from None
+        handed_off = False
+        try:
+            if allow_stream and resp.status == 200 and resp.content_type == "text/event-stream":
+                handed_off = True
+                return resp
+            body = await resp.read()
+            return UpstreamReply(backend, resp.status, body, resp.headers.get(
+                "Content-Type", "application/json"))
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise UpstreamError(backend, f"{backend} broke off its response: "
+                                f"{type(e).__name__}: {e}") from None
+        finally:
+            if not handed_off:
+                # After a full read this returns the connection to the pool; on cancellation or
+                # error it closes the connection, which is what makes vLLM abort the request.
+                if resp.content.is_eof():
+                    resp.release()
+                else:
+                    resp.close()
+
+    async def _finish_prefill_later(self, task: asyncio.Task[Any], tid: str) -> None:
+        try:
+            res = await asyncio.wait_for(asyncio.shield(task), PREFILL_GRACE_S)
+        except asyncio.TimeoutError:
+            logger.warning("transfer %s: prefill still running %.0f s after decode finished; "
+                           "cancelling it", tid, PREFILL_GRACE_S)
+            await _cancel_and_wait([task])
+            return
+        except asyncio.CancelledError:
+            await _cancel_and_wait([task])
+            raise
+        except Exception as e:  # already answered the client; just record it
+            logger.warning("transfer %s: prefill failed after decode finished: %s", tid, e)
+            return
+        if isinstance(res, UpstreamReply) and res.status != 200:
+            logger.warning("transfer %s: prefill answered HTTP %d after decode finished: %s",
+                           tid, res.status, res.body[:300])
+
+    def _in_background(self, task: asyncio.Task[Any], tid: str) -> None:
+        if task.done():
+            if not task.cancelled() and task.exception() is not None:  # retrieve, and record
+                logger.warning("transfer %s: prefill failed after decode finished: %s", tid,
+                               task.exception())
+            return
+        bg = asyncio.create_task(self._finish_prefill_later(task, tid))
+        self._background.add(bg)
+        bg.add_done_callback(self._background.discard)
+
+    @staticmethod
+    def _prefill_failure(task: asyncio.Task[Any]) -> UpstreamReply | UpstreamError | None:
+        """The failure of a finished prefill task, or None if P answered 200."""
+        exc = task.exception()
+        if exc is not None:
+            if isinstance(exc, UpstreamError):
+                return exc
+            raise exc
+        reply = task.result()
+        return None if reply.status == 200 else reply
+
+    # -- HTTP handlers ------------------------------------------------------------------------
+
+    async def handle_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle_generate(request, chat=False)
+
+    async def handle_chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle_generate(request, chat=True)
+
+    async def _handle_generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        raw = await request.read()
+        body = parse_request_body(raw, chat)
+        tid = uuid.uuid4().hex
+        if needs_prompt_logprobs(body, chat):
+            return await self._serve_prefill_only(request, raw, tid)
+        return await self._serve_pd(request, body, chat, tid)
+
+    async def _serve_prefill_only(self, request: web.Request, raw: bytes, tid: str
+                                  ) -> web.StreamResponse:
+        """Prompt-logprob requests: P computes the prompt's logits, D never does."""
+        p = self.prefill.next()
+        logger.debug("request %s: prompt logprobs -> prefill-only P=%s", tid, p.url)
+        task = asyncio.create_task(self._send(p, request.path, raw,
+                                              self._upstream_headers(request, tid), True))
+        relay_task: asyncio.Task[None] | None = None
+        try:
+            try:
+                res = await task
+            except UpstreamError as e:
+                return e.response({"X-Request-Id": tid})
+            if isinstance(res, UpstreamReply):
+                return res.response({"X-Request-Id": tid})
+            relay = _StreamRelay(request, res, p, {"X-Request-Id": tid})
+            relay_task = asyncio.create_task(relay.run())
+            return await self._await_relay(relay, relay_task, tid)
+        finally:
+            await _cancel_and_wait([task, relay_task])
+
+    async def _await_relay(self, relay: _StreamRelay, relay_task: asyncio.Task[None], tid: str
+                           ) -> web.StreamResponse:
+        """Outcome of a finished relay as the handler's return value."""
+        try:
+            await relay_task
+        except _ClientGone:
+            logger.debug("request %s: client disconnected", tid)
+        except UpstreamError as e:
+            if relay.response is None:
+                return e.response({"X-Request-Id": tid})
+            await relay.finish_with_error(502, str(e), "bad_gateway")
+        assert relay.response is not None
+        return relay.response
+
+    async def _serve_pd(self, request: web.Request, body: dict[str, Any], chat: bool, tid: str
+                        ) -> web.StreamResponse:
+        p = self.prefill.next()
+        d = self.decode.next()
+        await self.wait_ready()  # no-op once start-up discovery is over
+        try:
+            host, port = await self.kv_endpoint(p)
+        except UpstreamError as e:
+            return e.response({"X-Request-Id": tid})
+        logger.debug("request %s: P=%s D=%s (LayerKV %s:%d) path=%s stream=%s", tid, p.url,
+                     d.url, host, port, request.path, bool(body.get("stream")))
+        if isinstance(body.get("kv_transfer_params"), dict):
+            logger.debug("request %s: client's kv_transfer_params replaced", tid)
+
+        headers = self._upstream_headers(request, tid)
+        out_headers = {"X-Request-Id": tid}
+        # Both in flight at once: D registers with P while P prefills (see module docstring).
+        p_task = asyncio.create_task(self._send(
+            p, request.path, _dumps(prefill_body(body, tid, chat)), headers, False))
+        d_task = asyncio.create_task(self._send(
+            d, request.path, _dumps(decode_body(body, tid, host, port)), headers, True))
+        relay_task: asyncio.Task[None] | None = None
+        keep_prefill = False  # True once D has succeeded: P may finish in the background
+        try:
+            # Phase 1: until D answers (headers of a stream, or a whole JSON body), watch P.
+            pending: set[asyncio.Task[Any]] = {p_task, d_task}
+            while d_task in pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                if p_task in done:
+                    failure = self._prefill_failure(p_task)
+                    if failure is not None and not (d_task in done and _answered_ok(d_task)):
+                        logger.debug("request %s: prefill failed, cancelling decode", tid)
+                        return failure.response(out_headers)
+            try:
+                d_res = d_task.result()
+            except UpstreamError as e:
+                return e.response(out_headers)
+            if isinstance(d_res, UpstreamReply):
+                if d_res.status == 200:
+                    keep_prefill = True
+                else:
+                    logger.debug("request %s: decode answered HTTP %d, cancelling prefill",
+                                 tid, d_res.status)
+                return d_res.response(out_headers)
+
+            # Phase 2: D streams. Relay it while still watching P: if P fails, D would only
+            # wait for KV that never comes, so the stream is ended with P's error.
+            relay = _StreamRelay(request, d_res, d, out_headers)
+            relay_task = asyncio.create_task(relay.run())
+            pending = {relay_task} | ({p_task} if not p_task.done() else set())
+            while relay_task in pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                if p_task in done:
+                    failure = self._prefill_failure(p_task)
+                    if failure is not None:
+                        await _cancel_and_wait([relay_task])
+                        logger.debug("request %s: prefill failed mid-stream, cancelling decode",
+                                     tid)
+                        if relay.response is None:
+                            return failure.response(out_headers)
+                        if isinstance(failure, UpstreamReply):
+                            msg, type_ = failure.error_message()
+                            await relay.finish_with_error(failure.status, f"prefill failed: {msg}",
+                                                          type_)
+                        else:
+                            await relay.finish_with_error(failure.status, str(failure),
+                                                          "bad_gateway")
+                        return relay.response
+            keep_prefill = relay_task.exception() is None
+            return await self._await_relay(relay, relay_task, tid)
+        finally:
+            # Runs on every exit, including cancellation when the client disconnects.
+            if keep_prefill:
+                self._in_background(p_task, tid)
+                await _cancel_and_wait([d_task, relay_task])
+            else:
+                await _cancel_and_wait([p_task, d_task, relay_task])
+
+    async def handle_models(self, request: web.Request) -> web.StreamResponse:
+        d = self.decode.next()
+        try:
+            async with self.session.get(d.url + "/v1/models",
+                                        headers=self._upstream_headers(request, None)) as r:
+                body = await r.read()
+                return web.Response(status=r.status, body=body, headers={
+                    "Content-Type": r.headers.get("Content-Type", "application/json")})
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            raise UpstreamError(d, f"{d} is unreachable: {type(e).__name__}: {e}") from None
+
+    async def handle_health(self, request: web.Request) -> web.StreamResponse:
+        backends = self.all_backends()
+        results = await asyncio.gather(*(self.check_health(b) for b in backends))
+        report: dict[str, dict[str, Any]] = {"prefill": {}, "decode": {}}
+        failing: list[str] = []
+        for b, (ok, detail) in zip(backends, results, strict=True):
+            entry: dict[str, Any] = {"healthy": ok, "status": detail}
+            if b.role == "prefill":
+                entry["layerkv_endpoint"] = ("%s:%d" % b.kv_endpoint) if b.kv_endpoint else None
+            report[b.role][b.url] = entry
+            if not ok:
+                failing.append(f"{b} ({detail})")
+        if failing:
+            return web.json_response({
+                "status": "unhealthy", "failing": failing,
+                "message": "unhealthy backends: " + "; ".join(failing), **report}, status=503)
+        return web.json_response({"status": "ok", **report})
+
+
+@web.middleware
+async def _error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    """The handler boundary: every error becomes an OpenAI-style JSON error, never a traceback."""
+    try:
+        return await handler(request)
+    except BadRequest as e:
+        return e.response()
+    except UpstreamError as e:
+        return e.response()
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        if e.status == 404:
+            msg = (f"no route {request.method} {request.path}; the proxy serves POST "
+                   f"{COMPLETIONS_PATH}, POST {CHAT_PATH}, GET /v1/models and GET /health")
+        else:
+            msg = f"{e.reason}: {request.method} {request.path}"
+            if e.status == 413:
+                msg += f" (request bodies are limited to {MAX_REQUEST_BYTES} bytes)"
+        headers = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None
+        return error_response(e.status, msg, "invalid_request_error", headers)
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        logger.exception("internal error while serving %s %s", request.method, request.path)
+        return error_response(500, "internal proxy error (details are in the proxy's log)",
+                              "internal_server_error")
+
+
+PROXY_KEY = web.AppKey("layerkv_proxy", ProxyApp)
+
+
+def build_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], *,
+              startup_timeout: float = 600.0, connect_timeout: float = 10.0,
+              api_key: str | None = None) -> web.Application:
+    """The proxy as an aiohttp application (``app[PROXY_KEY]`` is its ProxyApp).
+
+    Run it with ``handler_cancellation=True`` (``run_proxy`` and aiohttp's TestServer do) so a
+    client disconnect cancels the handler and with it both upstream requests.
+    """
+    if not prefill_urls or not decode_urls:
+        raise ValueError("the proxy needs at least one prefill and one decode URL")
+    prefill = [parse_backend_url(u, "prefill") for u in prefill_urls]
+    decode = [parse_backend_url(u, "decode") for u in decode_urls]
+    proxy = ProxyApp(prefill, decode, startup_timeout=startup_timeout,
+                     connect_timeout=connect_timeout, api_key=api_key)
+    app = web.Application(middlewares=[_error_middleware], client_max_size=MAX_REQUEST_BYTES)
+    app[PROXY_KEY] = proxy
+    app.on_startup.append(proxy.on_startup)
+    app.on_cleanup.append(proxy.on_cleanup)
+    app.router.add_post(COMPLETIONS_PATH, proxy.handle_completions)
+    app.router.add_post(CHAT_PATH, proxy.handle_chat)
+    app.router.add_get("/v1/models", proxy.handle_models)
+    app.router.add_get("/health", proxy.handle_health)
+    return app
+
+
+def run_proxy(args: Any) -> None:
+    """Serve until interrupted. ``args``: prefill, decode (lists of URLs), host, port, timeout.
+
+    The backends' API key, if any, is taken from ``VLLM_API_KEY`` (what ``vllm serve`` reads)
+    and used for discovery; client requests carry their own Authorization header through.
+    """
+    app = build_app(args.prefill, args.decode, startup_timeout=args.timeout,
+                    api_key=os.environ.get("VLLM_API_KEY") or None)
+    proxy = app[PROXY_KEY]
+    logger.info("LayerKV proxy on http://%s:%d  prefill: %s  decode: %s", args.host, args.port,
+                " ".join(b.url for b in proxy.prefill.items),
+                " ".join(b.url for b in proxy.decode.items))
+    # access_log=None: one access line per request would cost real time at benchmark rates;
+    # requests are logged at DEBUG with their transfer_id instead.
+    web.run_app(app, host=args.host, port=args.port, handler_cancellation=True,
+                access_log=None, print=None)
