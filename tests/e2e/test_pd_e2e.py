@@ -1,0 +1,259 @@
+"""End to end on CPU with real `vllm serve` processes and the real SmolLM2-135M-Instruct model:
+prefill + decode + proxy against a single-instance reference, float32 greedy."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+import urllib.request
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+from prompts import PROMPTS, make_prompt
+
+from vllm_layerkv.testing.cluster import MODEL_NAME, PDCluster, metric, wait_idle
+from vllm_layerkv.testing.servers import get_text, post_json
+
+pytestmark = pytest.mark.e2e
+MAX_TOKENS = 24
+
+
+def complete(url: str, prompt: str, **kw: Any) -> dict[str, Any]:
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+    body.update(kw)
+    status, data = post_json(url + "/v1/completions", body, timeout=300)
+    assert status == 200, f"HTTP {status}: {data}"
+    return data
+
+
+def stream_text(url: str, path: str, body: dict[str, Any]) -> str:
+    """Concatenated text of an SSE completion stream."""
+    req = urllib.request.Request(url + path, data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    out = []
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            out.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+    return "".join(out)
+
+
+def token_ids(resp: dict[str, Any]) -> list[int]:
+    return resp["choices"][0]["token_ids"]
+
+
+# ------------------------------------------------------------------------- correctness
+
+
+def test_outputs_token_identical_to_single_instance(cluster: PDCluster, no_leaks: None) -> None:
+    """24 prompts from 3 to ~1,400 tokens (P prefills in 256-token chunks, so the long ones
+    stream several chunks), 3 at a time through the proxy, each compared token by token with
+    the reference instance."""
+    assert cluster.reference is not None
+    ref_url, proxy_url = cluster.reference.url, cluster.proxy.url  # type: ignore[union-attr]
+    with ThreadPoolExecutor(3) as pool:
+        refs = list(pool.map(lambda p: complete(ref_url, p, return_token_ids=True), PROMPTS))
+        outs = list(pool.map(lambda p: complete(proxy_url, p, return_token_ids=True), PROMPTS))
+    lengths = [r["usage"]["prompt_tokens"] for r in refs]
+    assert max(lengths) > 4 * 256, f"longest prompt {max(lengths)} tokens is not multi-chunk"
+    mismatches = [(i, lengths[i], token_ids(r), token_ids(o))
+                  for i, (r, o) in enumerate(zip(refs, outs)) if token_ids(r) != token_ids(o)]
+    assert not mismatches, f"{len(mismatches)} of {len(PROMPTS)} differ: {mismatches[:3]}"
+    # a prompt may legitimately hit EOS early (identically on both); most must run to the cap
+    assert sum(len(token_ids(o)) == MAX_TOKENS for o in outs) > len(outs) // 2
+
+
+def test_streaming_and_chat_through_proxy(cluster: PDCluster, no_leaks: None) -> None:
+    assert cluster.reference is not None
+    ref_url, proxy_url = cluster.reference.url, cluster.proxy.url  # type: ignore[union-attr]
+    prompt = make_prompt(700, seed=99)
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+    assert stream_text(proxy_url, "/v1/completions", body) == \
+        complete(ref_url, prompt)["choices"][0]["text"]
+
+    chat = {"model": MODEL_NAME, "temperature": 0, "max_tokens": MAX_TOKENS,
+            "messages": [{"role": "user", "content": make_prompt(300, seed=7) +
+                          "\nSummarise the text above in one sentence."}]}
+    status, ref = post_json(ref_url + "/v1/chat/completions", chat, timeout=300)
+    assert status == 200
+    status, out = post_json(proxy_url + "/v1/chat/completions", chat, timeout=300)
+    assert status == 200, out
+    expected = ref["choices"][0]["message"]["content"]
+    assert out["choices"][0]["message"]["content"] == expected
+    assert stream_text(proxy_url, "/v1/chat/completions", chat) == expected
+
+
+def test_prompt_logprobs_are_served_by_prefill_alone(cluster: PDCluster, no_leaks: None) -> None:
+    """echo + logprobs needs the prompt's logits, which D never computes: the proxy routes
+    such requests to a prefill instance, unchanged."""
+    assert cluster.reference is not None
+    prompt = make_prompt(40, seed=3)
+    kw = {"echo": True, "logprobs": 1, "max_tokens": 1}
+    ref = complete(cluster.reference.url, prompt, **kw)
+    out = complete(cluster.proxy.url, prompt, **kw)  # type: ignore[union-attr]
+    assert out["choices"][0]["logprobs"]["tokens"] == ref["choices"][0]["logprobs"]["tokens"]
+    assert out["choices"][0]["logprobs"]["token_logprobs"][1:] == pytest.approx(
+        ref["choices"][0]["logprobs"]["token_logprobs"][1:], abs=1e-4)
+
+
+# ------------------------------------------------------------------------- it streams
+
+
+def test_kv_streams_by_layer_group_during_prefill(cluster: PDCluster) -> None:
+    """From the connector's own trace: in a prefill step of a long prompt, more than one layer
+    group was sent, and the first group's send started before the step's last layer ran
+    (the last group is enqueued by the last layer's hook)."""
+    events = cluster.trace_events()
+    by_step: dict[int, list[dict[str, Any]]] = {}
+    for e in events:
+        if "step" in e:
+            by_step.setdefault(e["step"], []).append(e)
+    streamed_steps = []
+    for step, evs in by_step.items():
+        enq = [e for e in evs if e["ev"] == "group_enqueued"]
+        starts = [e for e in evs if e["ev"] == "group_send_start"]
+        if len(enq) < 2 or not starts:
+            continue
+        last_layer_t = max(e["t"] for e in enq)
+        first_send_t = min(e["t"] for e in starts)
+        if first_send_t < last_layer_t:
+            streamed_steps.append((step, len(enq), last_layer_t - first_send_t))
+    assert streamed_steps, f"no streamed step in {len(by_step)} traced steps"
+    assert max(n for _, n, _ in streamed_steps) > 1
+
+
+def test_transfer_metrics_exported(cluster: PDCluster) -> None:
+    _, p_text = get_text(cluster.prefill.url + "/metrics")
+    _, d_text = get_text(cluster.decode.url + "/metrics")
+    sent = metric(p_text, "vllm:layerkv_bytes_sent_total")
+    received = metric(d_text, "vllm:layerkv_bytes_received_total")
+    assert sent > 0 and received > 0
+    assert metric(p_text, "vllm:layerkv_groups_sent_total") > metric(
+        p_text, "vllm:layerkv_transfers_sent_total")
+    assert metric(p_text, "vllm:layerkv_exposed_transfer_seconds_count") > 0
+    log = cluster.prefill.log_path.read_text()
+    assert "KV Transfer metrics" in log and "avg exposed transfer (ms)" in log
+
+
+# ------------------------------------------------------------------------- failures
+
+
+def _decode_params(cluster: PDCluster, tid: str, port: int | None = None) -> dict[str, Any]:
+    host, p_port = cluster.prefill_endpoint()
+    return {"do_remote_prefill": True, "transfer_id": tid, "remote_host": host,
+            "remote_port": port or p_port}
+
+
+def test_decode_fails_fast_when_prefill_unreachable(cluster: PDCluster, no_leaks: None) -> None:
+    with socket.socket() as s:  # a port with nobody listening
+        s.bind(("127.0.0.1", 0))
+        dead_port = s.getsockname()[1]
+    t = time.monotonic()
+    status, data = post_json(cluster.decode.url + "/v1/completions", {
+        "model": MODEL_NAME, "prompt": make_prompt(50, 1), "max_tokens": 4, "temperature": 0,
+        "kv_transfer_params": _decode_params(cluster, uuid.uuid4().hex, dead_port)}, timeout=60)
+    assert status >= 500, data
+    assert time.monotonic() - t < 10
+    assert "cannot reach the prefill instance" in cluster.decode.log_path.read_text()
+
+
+def test_decode_times_out_when_kv_never_arrives(cluster: PDCluster, no_leaks: None) -> None:
+    """D registers with a live P that never gets the prefill request: D must fail the
+    request after kv_wait_timeout_s (45 s here) instead of waiting forever."""
+    t = time.monotonic()
+    status, data = post_json(cluster.decode.url + "/v1/completions", {
+        "model": MODEL_NAME, "prompt": make_prompt(80, 2), "max_tokens": 4, "temperature": 0,
+        "kv_transfer_params": _decode_params(cluster, uuid.uuid4().hex)}, timeout=120)
+    elapsed = time.monotonic() - t
+    assert status >= 500, data
+    assert 40 <= elapsed < 90, elapsed
+    assert "kv_wait_timeout_s" in cluster.decode.log_path.read_text()
+
+
+def test_prefill_frees_blocks_when_decode_never_registers(cluster: PDCluster,
+                                                          no_leaks: None) -> None:
+    """P serves its request, holds the KV for registration_timeout_s (6 s here), then frees it."""
+    tid = uuid.uuid4().hex
+    t = time.monotonic()
+    out = complete(cluster.prefill.url, make_prompt(300, 5), max_tokens=1,
+                   kv_transfer_params={"do_remote_decode": True, "transfer_id": tid})
+    assert out["kv_transfer_params"]["transfer_id"] == tid
+    assert time.monotonic() - t < 30
+    readings = wait_idle(cluster.prefill, timeout=30)
+    assert not any(readings.values()), readings
+    assert "no decode registered within registration_timeout_s" in \
+        cluster.prefill.log_path.read_text()
+
+
+def test_decode_abort_while_waiting_frees_both_sides(cluster: PDCluster, no_leaks: None) -> None:
+    """A client gives up on D while D waits for KV that never comes: D frees its blocks and
+    tells P, well before kv_wait_timeout_s."""
+    tid = uuid.uuid4().hex
+    body = json.dumps({"model": MODEL_NAME, "prompt": make_prompt(200, 8), "max_tokens": 8,
+                       "temperature": 0, "stream": True,
+                       "kv_transfer_params": _decode_params(cluster, tid)}).encode()
+    sock = socket.create_connection(("127.0.0.1", cluster.decode.port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                 b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    time.sleep(2.0)
+    sock.close()  # client disconnect -> vLLM aborts the request
+    t = time.monotonic()
+    readings = wait_idle(cluster.decode, timeout=8)
+    assert not any(readings.values()), readings
+    assert time.monotonic() - t < 8
+
+
+def test_prefill_abort_mid_stream_fails_decode_cleanly(cluster: PDCluster,
+                                                       no_leaks: None) -> None:
+    """P's client disconnects while a long prefill streams: P aborts the transfer and D fails
+    its request at once (well before the 45 s timeout)."""
+    tid = uuid.uuid4().hex
+    prompt = make_prompt(1000, 11)
+    result: dict[str, Any] = {}
+
+    def decode() -> None:
+        t = time.monotonic()
+        result["status"], result["data"] = post_json(cluster.decode.url + "/v1/completions", {
+            "model": MODEL_NAME, "prompt": prompt, "max_tokens": 4, "temperature": 0,
+            "kv_transfer_params": _decode_params(cluster, tid)}, timeout=120)
+        result["elapsed"] = time.monotonic() - t
+
+    th = threading.Thread(target=decode)
+    th.start()
+    body = json.dumps({"model": MODEL_NAME, "prompt": prompt, "max_tokens": 1, "temperature": 0,
+                       "kv_transfer_params": {"do_remote_decode": True,
+                                              "transfer_id": tid}}).encode()
+    sock = socket.create_connection(("127.0.0.1", cluster.prefill.port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                 b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    time.sleep(2.5)  # P is a few chunks in
+    sock.close()
+    th.join(60)
+    assert result.get("status", 0) >= 500, result
+    assert result["elapsed"] < 30, result
+
+
+def test_malformed_kv_transfer_params_get_a_clear_answer(cluster: PDCluster,
+                                                         no_leaks: None) -> None:
+    """Malformed params: the request is served locally, and the response says what to fix."""
+    assert cluster.reference is not None
+    prompt = make_prompt(30, 4)
+    ref = complete(cluster.reference.url, prompt)["choices"][0]["text"]
+    out = complete(cluster.decode.url, prompt,
+                   kv_transfer_params={"do_remote_prefill": True, "remote_host": "x"})
+    assert "transfer_id" in out["kv_transfer_params"]["layerkv_error"]
+    assert out["choices"][0]["text"] == ref
+    out = complete(cluster.prefill.url, prompt, kv_transfer_params={
+        "do_remote_decode": True, "do_remote_prefill": True, "transfer_id": "t"})
+    assert "both" in out["kv_transfer_params"]["layerkv_error"]
+    status, data = post_json(cluster.proxy.url + "/v1/completions",  # type: ignore[union-attr]
+                             {"prompt": prompt}, timeout=30)
+    assert status == 400 and "model" in json.dumps(data)

@@ -1,0 +1,163 @@
+"""A CPU P/D cluster for the e2e tests and the demo: a single reference instance, a prefill
+instance, a decode instance (real ``vllm serve`` processes with LayerKV) and the project's proxy
+(``vllm-layerkv proxy`` as a subprocess), started together and stopped together.
+
+Cores: P on core 0, D on core 1, the reference on both (it runs alone in the comparisons that
+time it). On a machine with more cores the same binds still work.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vllm_layerkv.testing.servers import VllmServer, free_port, get_text, start_all, stop_all
+
+MODEL_NAME = "m"
+
+
+@dataclass
+class ClusterSpec:
+    model: Path
+    workdir: Path
+    prefill_batched_tokens: int = 256
+    """P's max_num_batched_tokens: small, so long prompts prefill in several chunks."""
+    prefill_extra: dict[str, Any] = field(default_factory=dict)
+    decode_extra: dict[str, Any] = field(default_factory=dict)
+    with_reference: bool = True
+    reference_cpus: str = "0-1"
+    max_model_len: int = 4096
+
+
+class ProxyProcess:
+    def __init__(self, prefill: list[str], decode: list[str], port: int, log_path: Path):
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self._log = open(log_path, "ab")
+        cmd = [sys.executable, "-m", "vllm_layerkv.cli", "proxy", "--prefill", *prefill,
+               "--decode", *decode, "--port", str(port)]
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"proxy exited with {self.proc.returncode}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError("proxy not healthy in time")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+
+
+class PDCluster:
+    def __init__(self, spec: ClusterSpec):
+        self.spec = spec
+        spec.workdir.mkdir(parents=True, exist_ok=True)
+        self.trace_path = str(spec.workdir / "trace")
+        p_extra = {"trace_path": self.trace_path, **spec.prefill_extra}
+        self.prefill = VllmServer(
+            spec.model, free_port(), served_model_name=MODEL_NAME, cpu_bind="0",
+            log_path=spec.workdir / "prefill.log", max_model_len=spec.max_model_len,
+            max_num_batched_tokens=spec.prefill_batched_tokens,
+            kv_transfer_config={"kv_connector": "LayerKV", "kv_role": "kv_producer",
+                                "kv_connector_extra_config": p_extra})
+        self.decode = VllmServer(
+            spec.model, free_port(), served_model_name=MODEL_NAME, cpu_bind="1",
+            log_path=spec.workdir / "decode.log", max_model_len=spec.max_model_len,
+            kv_transfer_config={"kv_connector": "LayerKV", "kv_role": "kv_consumer",
+                                "kv_connector_extra_config": dict(spec.decode_extra)})
+        self.reference = (VllmServer(
+            spec.model, free_port(), served_model_name=MODEL_NAME, cpu_bind=spec.reference_cpus,
+            log_path=spec.workdir / "reference.log", max_model_len=spec.max_model_len)
+            if spec.with_reference else None)
+        self.proxy: ProxyProcess | None = None
+
+    @property
+    def servers(self) -> list[VllmServer]:
+        return [s for s in (self.prefill, self.decode, self.reference) if s is not None]
+
+    def start(self, timeout: float = 600.0) -> PDCluster:
+        try:
+            start_all(self.servers, timeout=timeout)
+            self.proxy = ProxyProcess([self.prefill.url], [self.decode.url], free_port(),
+                                      self.spec.workdir / "proxy.log")
+            self.proxy.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        if self.proxy is not None:
+            self.proxy.stop()
+        stop_all(self.servers)
+
+    def __enter__(self) -> PDCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def prefill_endpoint(self) -> tuple[str, int]:
+        """P's LayerKV registration endpoint (what the proxy discovers)."""
+        from vllm_layerkv.testing.servers import completion
+
+        resp = completion(self.prefill.url, MODEL_NAME, "ping", 1,
+                          kv_transfer_params={"layerkv_discover": True})
+        host, port = resp["kv_transfer_params"]["layerkv_endpoint"].rsplit(":", 1)
+        return host, int(port)
+
+    def trace_events(self) -> list[dict[str, Any]]:
+        path = Path(self.trace_path + ".p.0")
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def metric(text: str, name: str) -> float:
+    """Sum of all samples of Prometheus metric ``name`` in an exposition ``text``."""
+    total, found = 0.0, False
+    for line in text.splitlines():
+        if line.startswith(name) and (line[len(name)] in " {"):
+            total += float(line.rsplit(" ", 1)[1])
+            found = True
+    if not found:
+        raise KeyError(f"metric {name} not exposed")
+    return total
+
+
+def wait_idle(server: VllmServer, timeout: float = 30.0) -> dict[str, float]:
+    """Poll /metrics until the server holds no requests and no KV blocks; return the last
+    readings (the caller asserts on them, so a leak fails with the numbers)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status, text = get_text(server.url + "/metrics")
+        assert status == 200
+        readings = {name: metric(text, "vllm:" + name) for name in
+                    ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")}
+        if not any(readings.values()) or time.monotonic() > deadline:
+            return readings
+        time.sleep(0.5)
