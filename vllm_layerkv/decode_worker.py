@@ -3,8 +3,8 @@ worker's blocks, and reports each request as received (or failed) exactly once."
 
 from __future__ import annotations
 
+from vllm_layerkv.blockio import BlockIO
 from vllm_layerkv.config import LayerKVConfig
-from vllm_layerkv.layout import KVLayout
 from vllm_layerkv.metadata import LayerKVMetadata
 from vllm_layerkv.protocol import CompatInfo
 from vllm_layerkv.receiver import RecvTable
@@ -13,13 +13,13 @@ from vllm_layerkv.transport.base import Transport
 
 
 class DecodeWorker:
-    def __init__(self, config: LayerKVConfig, layout: KVLayout, transport: Transport,
+    def __init__(self, config: LayerKVConfig, blocks: BlockIO, transport: Transport,
                  compat: CompatInfo, tp_rank: int, tp_size: int, stats: WorkerStats):
         self._table = RecvTable(compat, tp_rank, tp_size,
                                 unknown_wait_s=config.connect_timeout_s, stats=stats)
         port = config.data_port + tp_rank if config.data_port else 0
         self.endpoint = transport.start_receiver(
-            config.host, port, self._table, layout.host_block_views(), config.io_timeout_s)
+            config.host, port, self._table, blocks, config.io_timeout_s)
 
     def bind(self, meta: LayerKVMetadata) -> None:
         for task in meta.recvs:

@@ -30,14 +30,19 @@ from vllm_layerkv.trace import Tracer
 logger = logging.getLogger("vllm.layerkv.prefill_worker")
 
 
-def _record_event(device_type: str) -> Any:
+def _new_event(device_type: str) -> Any:
+    """A device event for one group (created in bind, recorded by the hook). None on CPU:
+    CPU attention runs synchronously, the KV is in memory when the hook runs."""
     if device_type != "cuda":
-        return None  # CPU attention ran synchronously: the KV is already in memory
+        return None
     import torch
 
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream())
-    return event
+    return torch.cuda.Event()
+
+
+def _record(event: Any) -> None:
+    if event is not None:
+        event.record()  # on the current (compute) stream; the sender waits on it, not us
 
 
 class PrefillWorker:
@@ -85,7 +90,8 @@ class PrefillWorker:
         num_layers = self._layout.num_layers
         avg_tokens = sum(t.new_tokens for t in streamed) // len(streamed)
         groups = split_layers(num_layers, plan_group_size(num_layers, avg_tokens, self._config))
-        self._group_items = [GroupSend(self._step, i, list(g), streamed)
+        self._group_items = [GroupSend(self._step, i, list(g), streamed,
+                                       event=_new_event(self._device_type))
                              for i, g in enumerate(groups)]
         names = self._layout.layer_names
         self._group_of_end_layer = {names[g[-1]]: i for i, g in enumerate(groups)}
@@ -96,10 +102,9 @@ class PrefillWorker:
         group = self._group_of_end_layer.get(layer_name)
         if group is None or group < self._next_group:
             return
-        event = _record_event(self._device_type)
         for g in range(self._next_group, group + 1):
             item = self._group_items[g]
-            item.event = event
+            _record(item.event)
             self._sender.put(item)
         self._next_group = group + 1
         if self._tracer.enabled:
@@ -110,15 +115,15 @@ class PrefillWorker:
             return
         t_end = time.monotonic()
         self._tracer.event("step_end", step=self._step)
-        if self._next_group < len(self._group_items):
-            event = _record_event(self._device_type)
-            for g in range(self._next_group, len(self._group_items)):
-                self._group_items[g].event = event
-                self._sender.put(self._group_items[g])
+        # groups whose hooks never fired (FULL CUDA-graph replays skip them)
+        for g in range(self._next_group, len(self._group_items)):
+            _record(self._group_items[g].event)
+            self._sender.put(self._group_items[g])
         if self._end_of_step_tasks:
+            event = _new_event(self._device_type)
+            _record(event)
             self._sender.put(GroupSend(self._step, 0, list(range(self._layout.num_layers)),
-                                       self._end_of_step_tasks,
-                                       event=_record_event(self._device_type)))
+                                       self._end_of_step_tasks, event=event))
         for task in self._final_tasks:
             self._sender.put(FinishTransfer(task, t_compute_end=t_end))
         self._group_items, self._group_of_end_layer = [], {}

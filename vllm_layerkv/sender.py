@@ -21,8 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
+from vllm_layerkv.blockio import BlockIO
 from vllm_layerkv.metadata import SendTask
 from vllm_layerkv.protocol import Hello, TransferAck
 from vllm_layerkv.stats import WorkerStats
@@ -90,11 +89,11 @@ class SenderState:
 
 
 class Sender:
-    def __init__(self, transport: Transport, src_views: list[np.ndarray], hello: Hello,
+    def __init__(self, transport: Transport, blocks: BlockIO, hello: Hello,
                  tp_rank: int, connect_timeout: float, stats: WorkerStats, tracer: Tracer,
                  on_change: Callable[[], None] | None = None):
         self._transport = transport
-        self._views = src_views
+        self._blocks = blocks
         self._hello = hello
         self._tp_rank = tp_rank
         self._connect_timeout = connect_timeout
@@ -219,7 +218,7 @@ class Sender:
         if ch is not None:
             ch.close()
         ch = self._transport.open_channel(
-            endpoint, self._hello, self._views,
+            endpoint, self._hello, self._blocks,
             on_ack=self._on_ack,
             on_lost=lambda reason, ep=endpoint: self._on_lost(ep, reason),
             timeout=self._connect_timeout,

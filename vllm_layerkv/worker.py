@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from vllm_layerkv.blockio import block_io_for
 from vllm_layerkv.compat import tp_rank_and_size
 from vllm_layerkv.config import LayerKVConfig
 from vllm_layerkv.decode_worker import DecodeWorker
@@ -60,15 +61,15 @@ class LayerKVWorker:
         if layout.num_layers != self._compat.num_layers:
             logger.info("LayerKV: %d distinct KV tensors for %d attention layers (KV sharing)",
                         layout.num_layers, self._compat.num_layers)
-        views = layout.host_block_views()
+        blocks = block_io_for(layout)
         if self._is_producer:
             hello = Hello(compat=self._compat, engine_id=self._engine_id,
                           tp_rank=self._tp_rank, tp_size=self._tp_size)
-            self._sender = Sender(self._transport, views, hello, self._tp_rank,
+            self._sender = Sender(self._transport, blocks, hello, self._tp_rank,
                                   self._config.connect_timeout_s, self._stats, self._tracer)
             self._prefill = PrefillWorker(self._config, layout, self._sender, self._tracer)
         if self._is_consumer:
-            self._decode = DecodeWorker(self._config, layout, self._transport, self._compat,
+            self._decode = DecodeWorker(self._config, blocks, self._transport, self._compat,
                                         self._tp_rank, self._tp_size, self._stats)
         logger.info(
             "LayerKV worker rank %d/%d ready: %d layers, %d blocks x %d B, transport %s%s",

@@ -10,8 +10,9 @@ D side: the transport writes incoming blocks straight into KV memory. It asks a 
 whether the blocks belong to it, so a transfer that was aborted or timed out can never write into
 blocks vLLM already gave to another request.
 
-Memory today is host memory (CPU KV caches). A device-memory transport (NIXL, Mooncake, CUDA IPC)
-implements the same calls on registered device regions.
+Stream transports reach KV memory through a ``BlockIO`` (blockio.py: zero-copy on CPU, a pinned
+staging buffer on GPU). A transport that moves device memory itself (NIXL, Mooncake, CUDA IPC)
+implements the same calls on registered regions instead.
 """
 
 from __future__ import annotations
@@ -20,8 +21,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-import numpy as np
-
+from vllm_layerkv.blockio import BlockIO
 from vllm_layerkv.protocol import Hello, TransferAck
 
 
@@ -86,7 +86,7 @@ class Transport(ABC):
         self,
         endpoint: str,
         hello: Hello,
-        src_views: list[np.ndarray],
+        blocks: BlockIO,
         on_ack: Callable[[TransferAck], None],
         on_lost: Callable[[str], None],
         timeout: float,
@@ -95,8 +95,7 @@ class Transport(ABC):
 
     @abstractmethod
     def start_receiver(
-        self, host: str, port: int, sink: ReceiveSink, dst_views: list[np.ndarray],
-        io_timeout: float,
+        self, host: str, port: int, sink: ReceiveSink, blocks: BlockIO, io_timeout: float,
     ) -> str:
         """Listen for senders; returns the endpoint (host:port) to publish."""
 

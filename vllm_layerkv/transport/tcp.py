@@ -1,9 +1,10 @@
 """Embedded TCP transport: plain sockets, no dependency, zero-copy on host memory.
 
-P sends one ``BlockData`` header per (transfer, layer group), then the payload straight from the
-KV tensors' memory (``sendall`` on numpy views, one call per run of adjacent blocks per layer).
-D reads the header, validates it against its bookkeeping and ``recv_into``s the payload straight
-into its own KV blocks; there is no intermediate buffer on either side, so on loopback KV moves
+P sends one ``BlockData`` header per (transfer, layer group), then the payload from the KV
+memory through a ``BlockIO`` (on CPU: ``sendall`` on zero-copy views, one call per run of
+adjacent blocks per layer). D reads the header, validates it against its bookkeeping and
+``recv_into``s the payload straight into its own KV blocks (CPU) or a pinned buffer scattered
+into them (GPU); on CPU there is no intermediate buffer on either side, so on loopback KV moves
 at memory-copy-like rates. One TCP connection per (P rank, D rank) keeps every transfer's frames
 in order, which is what makes re-sending a partially filled block on the next chunk correct.
 
@@ -17,10 +18,9 @@ import logging
 import select
 import socket
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
-import numpy as np
-
+from vllm_layerkv.blockio import BlockIO
 from vllm_layerkv.protocol import (
     BlockData,
     Hello,
@@ -37,27 +37,12 @@ logger = logging.getLogger("vllm.layerkv.transport.tcp")
 SCRATCH_BYTES = 4 * 1024 * 1024
 
 
-def block_runs(blocks: Sequence[int]) -> Iterator[tuple[int, int]]:
-    """Maximal runs of consecutive ids as half-open (start, end) pairs, in order."""
-    it = iter(blocks)
-    try:
-        start = prev = next(it)
-    except StopIteration:
-        return
-    for b in it:
-        if b != prev + 1:
-            yield start, prev + 1
-            start = b
-        prev = b
-    yield start, prev + 1
-
-
 class TcpSendChannel(SendChannel):
-    def __init__(self, sock: socket.socket, endpoint: str, src_views: list[np.ndarray],
+    def __init__(self, sock: socket.socket, endpoint: str, blocks: BlockIO,
                  on_ack: Callable[[TransferAck], None], on_lost: Callable[[str], None]):
         self._sock = sock
         self._endpoint = endpoint
-        self._views = src_views
+        self._blocks = blocks
         self._on_ack = on_ack
         self._on_lost = on_lost
         self._alive = True
@@ -74,17 +59,14 @@ class TcpSendChannel(SendChannel):
                      dst_blocks: Sequence[int]) -> int:
         if len(src_blocks) != len(dst_blocks):
             raise ValueError("src_blocks and dst_blocks differ in length")
-        block_bytes = self._views[0].shape[1]
+        block_bytes = self._blocks.block_bytes
         nbytes = len(layers) * len(src_blocks) * block_bytes
         header = BlockData(transfer_id=transfer_id, layers=list(layers),
                            dst_blocks=list(dst_blocks), block_bytes=block_bytes, nbytes=nbytes)
-        runs = list(block_runs(src_blocks))
         try:
             framing.send_message(self._sock, header)
-            for layer in layers:
-                view = self._views[layer]
-                for start, end in runs:
-                    self._sock.sendall(memoryview(view[start:end]).cast("B"))
+            for buf in self._blocks.read(layers, src_blocks):
+                self._sock.sendall(buf)
         except OSError as e:
             self._fail(f"send to {self._endpoint} failed: {e}")
             raise TransportError(f"send to decode {self._endpoint} failed: {e}") from None
@@ -141,7 +123,7 @@ class TcpTransport(Transport):
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ P side
-    def open_channel(self, endpoint: str, hello: Hello, src_views: list[np.ndarray],
+    def open_channel(self, endpoint: str, hello: Hello, blocks: BlockIO,
                      on_ack: Callable[[TransferAck], None], on_lost: Callable[[str], None],
                      timeout: float) -> SendChannel:
         try:
@@ -157,14 +139,14 @@ class TcpTransport(Transport):
             sock.close()
             raise TransportError(f"decode {endpoint} answered {type(reply).__name__} to Hello")
         sock.settimeout(None)
-        return TcpSendChannel(sock, endpoint, src_views, on_ack, on_lost)
+        return TcpSendChannel(sock, endpoint, blocks, on_ack, on_lost)
 
     # ------------------------------------------------------------------ D side
-    def start_receiver(self, host: str, port: int, sink: ReceiveSink,
-                       dst_views: list[np.ndarray], io_timeout: float) -> str:
+    def start_receiver(self, host: str, port: int, sink: ReceiveSink, blocks: BlockIO,
+                       io_timeout: float) -> str:
         self._server = framing.listen(host, port)
         bound_port = self._server.getsockname()[1]
-        threading.Thread(target=self._accept_loop, args=(sink, dst_views, io_timeout),
+        threading.Thread(target=self._accept_loop, args=(sink, blocks, io_timeout),
                          name="layerkv-accept", daemon=True).start()
         return f"{host}:{bound_port}"
 
@@ -181,7 +163,7 @@ class TcpTransport(Transport):
                 pass
             c.close()
 
-    def _accept_loop(self, sink: ReceiveSink, views: list[np.ndarray], io_timeout: float) -> None:
+    def _accept_loop(self, sink: ReceiveSink, blocks: BlockIO, io_timeout: float) -> None:
         assert self._server is not None
         while not self._stop.is_set():
             try:
@@ -192,11 +174,11 @@ class TcpTransport(Transport):
             conn.settimeout(io_timeout)
             with self._lock:
                 self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn, addr, sink, views),
+            threading.Thread(target=self._serve, args=(conn, addr, sink, blocks),
                              name=f"layerkv-recv-{addr[1]}", daemon=True).start()
 
     def _serve(self, conn: socket.socket, addr: tuple, sink: ReceiveSink,
-               views: list[np.ndarray]) -> None:
+               blocks: BlockIO) -> None:
         peer = f"{addr[0]}:{addr[1]}"
         hello: Hello | None = None
         scratch = memoryview(bytearray(SCRATCH_BYTES))
@@ -218,7 +200,7 @@ class TcpTransport(Transport):
                     continue
                 msg = framing.recv_message(conn)
                 if isinstance(msg, BlockData):
-                    self._receive_blocks(conn, msg, sink, views, scratch,
+                    self._receive_blocks(conn, msg, sink, blocks, scratch,
                                          (hello.engine_id, hello.tp_rank))
                 elif isinstance(msg, TransferDone):
                     ack = sink.on_done(msg.transfer_id, msg.tp_rank, hello.tp_size, msg.frames,
@@ -239,12 +221,12 @@ class TcpTransport(Transport):
 
     @staticmethod
     def _receive_blocks(conn: socket.socket, msg: BlockData, sink: ReceiveSink,
-                        views: list[np.ndarray], scratch: memoryview,
+                        blocks: BlockIO, scratch: memoryview,
                         source: tuple[str, int]) -> None:
-        block_bytes = views[0].shape[1]
+        block_bytes = blocks.block_bytes
         expected = len(msg.layers) * len(msg.dst_blocks) * block_bytes
         if msg.block_bytes != block_bytes or msg.nbytes != expected or any(
-            not 0 <= layer < len(views) for layer in msg.layers
+            not 0 <= layer < blocks.num_layers for layer in msg.layers
         ):
             raise TransportError(
                 f"malformed BlockData for {msg.transfer_id}: block_bytes {msg.block_bytes} vs "
@@ -255,11 +237,8 @@ class TcpTransport(Transport):
             return
         written = 0
         try:
-            runs = list(block_runs(msg.dst_blocks))
-            for layer in msg.layers:
-                view = views[layer]
-                for start, end in runs:
-                    framing.recv_exact_into(conn, memoryview(view[start:end]).cast("B"))
+            for buf in blocks.write(msg.layers, msg.dst_blocks):
+                framing.recv_exact_into(conn, buf)
             written = msg.nbytes
         finally:
             sink.end_write(msg.transfer_id, written)
