@@ -46,17 +46,20 @@ from typing import Any
 LOCALHOST = "127.0.0.1"
 
 # Applied to every server; the caller's `env` argument still wins over these.
-BASE_ENV: dict[str, str] = {
+COMMON_ENV: dict[str, str] = {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
     "HF_DATASETS_OFFLINE": "1",
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
     "VLLM_HOST_IP": LOCALHOST,
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_TARGET_DEVICE": "cpu",
     # unbuffered child output, so the log file is current when we show its tail on failure
     "PYTHONUNBUFFERED": "1",
+}
+BASE_ENV: dict[str, str] = {
+    **COMMON_ENV,
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_TARGET_DEVICE": "cpu",
 }
 
 
@@ -243,8 +246,12 @@ class VllmServer:
         max_num_batched_tokens: int | None = None,
         enable_prefix_caching: bool = True,
         max_num_seqs: int = 16,
+        gpus: str | None = None,
     ) -> None:
-        if not cpu_bind or cpu_bind.strip().lower() in {"auto", "all"}:
+        """``gpus``: run on these GPUs (CUDA_VISIBLE_DEVICES) instead of the CPU; ``cpu_bind``
+        is then ignored."""
+        self.gpus = gpus
+        if gpus is None and (not cpu_bind or cpu_bind.strip().lower() in {"auto", "all"}):
             # `auto` over-reserves cores when a KV connector is configured (research notes)
             raise ValueError("cpu_bind must name CPUs explicitly, e.g. '0', '1' or '0-1'")
         self.model = str(model)
@@ -306,8 +313,12 @@ class VllmServer:
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
-        env.update(BASE_ENV)
-        env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_bind
+        if self.gpus is not None:
+            env.update(COMMON_ENV)
+            env["CUDA_VISIBLE_DEVICES"] = self.gpus
+        else:
+            env.update(BASE_ENV)
+            env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_bind
         # Let a source checkout's package import in the server processes even when it is not
         # installed (e.g. kv_connector_module_path="vllm_layerkv...."); harmless otherwise.
         pkg_parent = str(Path(__file__).resolve().parent.parent.parent)

@@ -1,0 +1,290 @@
+"""TTFT benchmark: single instance vs NixlConnector P/D vs LayerKV P/D, in one run.
+
+Each configuration is started in turn (real ``vllm serve`` processes), measured with the
+standard ``vllm bench serve`` (random dataset, ``--save-result``) at every prompt length with
+concurrency 1, optionally under load, then stopped. Optionally checks greedy token identity of
+each P/D configuration against the single instance (and the single instance against itself
+first). Writes one JSON per bench run plus ``summary.json`` (medians per configuration and
+length); ``benchmarks/plot_results.py`` draws the plots.
+
+Configurations (``--configs``):
+  single       one instance (GPU 0 / CPU cores 0-1)
+  nixl         NixlConnector P (GPU 0) + D (GPU 1), sequential pull proxy (benchmarks/nixl_proxy.py)
+  nixl-tcp     same with UCX_TLS=tcp,cuda_copy,self (no GPU-direct)
+  layerkv      LayerKV P + D behind the project's proxy
+
+GPU (lent H200s, see ../shared/gpu/README.md):
+  python3 benchmarks/ttft_bench.py --device cuda --model $HOME/stage/core/models/llama8b \
+      --load-format dummy --prompt-lens 1024 4096 8192 16000 --num-prompts 10 \
+      --load 16:4096:128:200 --identity 8 --out $OUT
+CPU smoke (tiny model, seconds):
+  python benchmarks/ttft_bench.py --device cpu --model .models/tiny-llama --configs single layerkv \
+      --prompt-lens 64 256 --num-prompts 2 --out /tmp/bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from vllm_layerkv.testing.servers import (  # noqa: E402
+    VllmServer,
+    free_port,
+    post_json,
+    start_all,
+    stop_all,
+)
+
+NAME = "m"
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+class Proc:
+    """A helper process (proxy) in its own session, killed with its children."""
+
+    def __init__(self, cmd: list[str], log_path: Path, url: str):
+        self.url = url
+        self._log = open(log_path, "ab")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def wait_ready(self, timeout: float = 600) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.url} exited with {self.proc.returncode}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(1)
+        raise TimeoutError(self.url)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        self._log.close()
+
+
+def server(args: argparse.Namespace, role: str, out: Path, kv: dict | None,
+           env: dict[str, str] | None = None, slot: int = 0) -> VllmServer:
+    gpu = args.device == "cuda"
+    extra = ["--seed", "0", "--gpu-memory-utilization", str(args.gpu_memory_utilization)] \
+        if gpu else ["--seed", "0"]
+    if args.load_format:
+        extra += ["--load-format", args.load_format]
+    return VllmServer(
+        args.model, free_port(), served_model_name=NAME,
+        cpu_bind=("0-1" if role == "single" else str(slot)), gpus=str(slot) if gpu else None,
+        kv_transfer_config=kv, extra_args=extra, env=env or {}, log_path=out / f"{role}.log",
+        dtype=args.dtype, max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
+
+
+def start_config(name: str, args: argparse.Namespace, out: Path) -> tuple[str, list, list]:
+    """Start a configuration; returns (base URL to bench, vLLM servers, helper processes)."""
+    cdir = out / name
+    cdir.mkdir(parents=True, exist_ok=True)
+    if name == "single":
+        s = server(args, "single", cdir, None)
+        start_all([s], timeout=args.start_timeout)
+        return s.url, [s], []
+    if name.startswith("nixl"):
+        env = {"UCX_TLS": "tcp,cuda_copy,self"} if name == "nixl-tcp" else {}
+        if args.device == "cpu":
+            env["UCX_TLS"] = "tcp"
+        p_port, d_port = free_port(), free_port()
+        buf = {"kv_buffer_device": "cpu"} if args.device == "cpu" else {}
+        p = server(args, "prefill", cdir, {"kv_connector": "NixlConnector",
+                                           "kv_role": "kv_producer", **buf},
+                   {**env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(p_port),
+                    "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}, slot=0)
+        d = server(args, "decode", cdir, {"kv_connector": "NixlConnector",
+                                          "kv_role": "kv_consumer", **buf},
+                   {**env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(d_port),
+                    "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}, slot=1)
+        start_all([p, d], timeout=args.start_timeout)
+        port = free_port()
+        proxy = Proc([sys.executable, str(ROOT / "benchmarks" / "nixl_proxy.py"), "--prefill",
+                      p.url, "--decode", d.url, "--port", str(port)], cdir / "proxy.log",
+                     f"http://127.0.0.1:{port}")
+        proxy.wait_ready()
+        return proxy.url, [p, d], [proxy]
+    if name == "layerkv":
+        p_extra: dict[str, Any] = {"trace_path": str(cdir / "trace")} if args.trace else {}
+        if args.device == "cuda":
+            p_extra["piecewise_cudagraph"] = True
+        # module path too: works even where the package's entry point is not installed
+        lkv = {"kv_connector": "LayerKV", "kv_connector_module_path": "vllm_layerkv"}
+        p = server(args, "prefill", cdir, {**lkv, "kv_role": "kv_producer",
+                                           "kv_connector_extra_config": p_extra}, slot=0)
+        d = server(args, "decode", cdir, {**lkv, "kv_role": "kv_consumer"}, slot=1)
+        start_all([p, d], timeout=args.start_timeout)
+        port = free_port()
+        proxy = Proc([sys.executable, "-m", "vllm_layerkv.cli", "proxy", "--prefill", p.url,
+                      "--decode", d.url, "--port", str(port)], cdir / "proxy.log",
+                     f"http://127.0.0.1:{port}")
+        proxy.wait_ready()
+        return proxy.url, [p, d], [proxy]
+    raise SystemExit(f"unknown configuration {name!r}")
+
+
+def bench(url: str, args: argparse.Namespace, out: Path, tag: str, input_len: int,
+          output_len: int, num_prompts: int, concurrency: int) -> dict[str, Any]:
+    fname = f"{tag}.json"
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve",
+           "--backend", "vllm", "--base-url", url, "--endpoint", "/v1/completions",
+           "--model", NAME, "--tokenizer", str(args.tokenizer or args.model),
+           "--dataset-name", "random", "--random-input-len", str(input_len),
+           "--random-output-len", str(output_len), "--num-prompts", str(num_prompts),
+           "--max-concurrency", str(concurrency), "--ignore-eos", "--seed", "0",
+           "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+           "--save-result", "--result-dir", str(out), "--result-filename", fname]
+    log(" ".join(cmd[2:]))
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.bench_timeout)
+    (out / f"{tag}.stdout").write_text(r.stdout[-20000:] + r.stderr[-20000:])
+    if r.returncode != 0:
+        raise RuntimeError(f"bench {tag} failed ({r.returncode}): {r.stderr[-2000:]}")
+    return json.loads((out / fname).read_text())
+
+
+def identity_prompts(n: int, model: str, max_len: int) -> list[list[int]]:
+    """n random token-id prompts of mixed lengths, ids within the model's vocabulary."""
+    import random
+
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    rng = random.Random(1234)
+    lengths = [x for x in (16, 300, 1500, 3000) if x < max_len - 64] or [16]
+    return [[rng.randrange(100, vocab - 1) for _ in range(rng.choice(lengths))]
+            for _ in range(n)]
+
+
+def greedy_ids(url: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    out = []
+    for p in prompts:
+        status, data = post_json(url + "/v1/completions", {
+            "model": NAME, "prompt": p, "max_tokens": max_tokens, "temperature": 0,
+            "return_token_ids": True, "ignore_eos": True}, timeout=600)
+        if status != 200:
+            raise RuntimeError(f"identity request failed: {status} {data}")
+        out.append(data["choices"][0]["token_ids"])
+    return out
+
+
+def summarize(result: dict[str, Any]) -> dict[str, float]:
+    keys = ("median_ttft_ms", "mean_ttft_ms", "p90_ttft_ms", "median_tpot_ms", "mean_tpot_ms",
+            "median_e2el_ms", "completed", "failed", "request_throughput")
+    return {k: result[k] for k in keys if k in result}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n", 1)[1])
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--tokenizer")
+    ap.add_argument("--load-format", default=None)
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
+    ap.add_argument("--configs", nargs="+", default=["single", "nixl", "layerkv"])
+    ap.add_argument("--prompt-lens", type=int, nargs="+", default=[1024, 4096, 8192, 16000])
+    ap.add_argument("--num-prompts", type=int, default=10)
+    ap.add_argument("--output-len", type=int, default=8)
+    ap.add_argument("--load", action="append", default=[], metavar="C:IN:OUT:N",
+                    help="a load point: concurrency, input len, output len, requests")
+    ap.add_argument("--identity", type=int, default=0, metavar="N",
+                    help="greedy token-identity check with N prompts")
+    ap.add_argument("--max-model-len", type=int, default=17000)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument("--start-timeout", type=float, default=900)
+    ap.add_argument("--bench-timeout", type=float, default=900)
+    ap.add_argument("--trace", action="store_true", help="LayerKV trace JSONL on P")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    # SIGTERM (timeout, Ctrl-C from a wrapper) must still run the finally blocks that stop servers
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    summary: dict[str, Any] = {"command": " ".join(sys.argv), "device": args.device,
+                               "model": args.model, "results": {}, "identity": {}}
+    reference: list[list[int]] | None = None
+    prompts = (identity_prompts(args.identity, args.model, args.max_model_len)
+               if args.identity else [])
+    ok = True
+    for name in args.configs:
+        log(f"=== {name}: starting")
+        t0 = time.monotonic()
+        url, servers, procs = start_config(name, args, args.out)
+        res: dict[str, Any] = {"start_s": round(time.monotonic() - t0, 1)}
+        try:
+            if prompts:
+                ids = greedy_ids(url, prompts, 16)
+                if name == "single":
+                    again = greedy_ids(url, prompts, 16)
+                    summary["identity"]["single_vs_single"] = sum(a == b for a, b in
+                                                                  zip(ids, again))
+                    reference = ids
+                elif reference is not None:
+                    same = sum(a == b for a, b in zip(ids, reference))
+                    summary["identity"][f"{name}_vs_single"] = same
+                    ok &= same == len(prompts)
+            for n in args.prompt_lens:
+                r = bench(url, args, args.out, f"{name}_c1_in{n}", n, args.output_len,
+                          args.num_prompts, 1)
+                res[f"c1_in{n}"] = summarize(r)
+                log(f"{name} in={n}: median TTFT {r['median_ttft_ms']:.1f} ms")
+            for spec in args.load:
+                c, i, o, k = (int(x) for x in spec.split(":"))
+                r = bench(url, args, args.out, f"{name}_c{c}_in{i}_out{o}", i, o, k, c)
+                res[f"c{c}_in{i}_out{o}"] = summarize(r)
+                log(f"{name} load c={c}: mean TTFT {r['mean_ttft_ms']:.1f} ms, "
+                    f"mean TPOT {r['mean_tpot_ms']:.2f} ms")
+        except Exception as e:  # keep what was measured; record the failure
+            res["error"] = str(e)[-2000:]
+            ok = False
+            log(f"{name} failed: {e}")
+        finally:
+            for p in procs:
+                p.stop()
+            stop_all(servers)
+        summary["results"][name] = res
+        (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
+    if prompts:
+        summary["identity"]["prompts"] = len(prompts)
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
+    table = []
+    for n in args.prompt_lens:
+        row = [f"{n:>6}"]
+        for name in args.configs:
+            v = summary["results"].get(name, {}).get(f"c1_in{n}", {}).get("median_ttft_ms")
+            row.append(f"{v:10.1f}" if v is not None else f"{'-':>10}")
+        table.append(" | ".join(row))
+    print("median TTFT (ms), c=1\n" + " | ".join(["prompt"] + [f"{c:>10}" for c in args.configs]))
+    print("\n".join(table))
+    print(json.dumps(summary["identity"]))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
