@@ -1,0 +1,99 @@
+"""Collect ``ttft_bench.py`` runs into one table (JSON + Markdown) and draw the plots.
+
+Reads every ``bench.log`` under the given directories (the lines ttft_bench.py prints for each
+measurement: median TTFT at c=1, mean TTFT / TPOT under load), so runs split over several
+device calls combine into one table. Needs matplotlib (plots only).
+
+Usage: python benchmarks/plot_results.py RESULT_DIR [RESULT_DIR ...] --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+C1 = re.compile(r"\] (\S+) in=(\d+): median TTFT ([\d.]+) ms")
+LOAD = re.compile(r"\] (\S+) load c=(\d+): mean TTFT ([\d.]+) ms, mean TPOT ([\d.]+) ms")
+
+
+def collect(dirs: list[Path]) -> dict:
+    c1: dict[str, dict[int, float]] = {}
+    load: dict[str, dict[str, float]] = {}
+    for d in dirs:
+        for log in sorted(d.rglob("bench.log")):
+            for line in log.read_text().splitlines():
+                if m := C1.search(line):
+                    c1.setdefault(m[1], {})[int(m[2])] = float(m[3])
+                elif m := LOAD.search(line):
+                    load[m[1]] = {"concurrency": int(m[2]), "mean_ttft_ms": float(m[3]),
+                                  "mean_tpot_ms": float(m[4])}
+    return {"c1_median_ttft_ms": c1, "load": load}
+
+
+def markdown(table: dict) -> str:
+    c1 = table["c1_median_ttft_ms"]
+    configs = list(c1)
+    lens = sorted({n for v in c1.values() for n in v})
+    lines = ["| prompt tokens | " + " | ".join(configs) + " |",
+             "| --- |" + " --- |" * len(configs)]
+    for n in lens:
+        cells = [f"{c1[c][n]:.1f}" if n in c1[c] else "-" for c in configs]
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    if table["load"]:
+        lines += ["", "| configuration | concurrency | mean TTFT (ms) | mean TPOT (ms) |",
+                  "| --- | --- | --- | --- |"]
+        for c, v in table["load"].items():
+            lines.append(f"| {c} | {v['concurrency']} | {v['mean_ttft_ms']:.1f} | "
+                         f"{v['mean_tpot_ms']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(table: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, vals in table["c1_median_ttft_ms"].items():
+        xs = sorted(vals)
+        ax.plot(xs, [vals[x] for x in xs], marker="o", label=name)
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("median TTFT (ms), concurrency 1")
+    ax.set_yscale("log")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    ax.set_title("TTFT vs prompt length")
+    fig.tight_layout()
+    fig.savefig(out / "ttft_vs_prompt.png", dpi=110)
+    if table["load"]:
+        fig, axes = plt.subplots(1, 2, figsize=(8, 3.8))
+        names = list(table["load"])
+        for ax, key, label in ((axes[0], "mean_ttft_ms", "mean TTFT (ms)"),
+                               (axes[1], "mean_tpot_ms", "mean TPOT (ms)")):
+            ax.bar(names, [table["load"][n][key] for n in names])
+            ax.set_ylabel(label)
+            ax.tick_params(axis="x", rotation=20)
+        c = next(iter(table["load"].values()))["concurrency"]
+        fig.suptitle(f"under load (concurrency {c})")
+        fig.tight_layout()
+        fig.savefig(out / "load_ttft_tpot.png", dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("dirs", type=Path, nargs="+")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    table = collect(args.dirs)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "table.json").write_text(json.dumps(table, indent=1))
+    (args.out / "table.md").write_text(markdown(table))
+    print(markdown(table))
+    plot(table, args.out)
+
+
+if __name__ == "__main__":
+    main()
