@@ -14,7 +14,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
-    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 
@@ -22,8 +21,6 @@ VLLM_VERSION: str = getattr(vllm, "__version__", "unknown")
 
 # 0.32+: the model runner asks get_transfer_results() (with failed_recving) instead of get_finished().
 HAS_TRANSFER_RESULTS: bool = hasattr(KVConnectorBase_V1, "get_transfer_results")
-# 0.32+: start_load_kv runs after the forward launch, and wait_for_save runs on empty steps too.
-START_LOAD_AFTER_FORWARD: bool = HAS_TRANSFER_RESULTS
 
 if HAS_TRANSFER_RESULTS:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
@@ -81,11 +78,9 @@ __all__ = [
     "KVConnectorBase_V1",
     "KVConnectorMetadata",
     "KVConnectorRole",
-    "KVConnectorWorkerMetadata",
     "SupportsHMA",
     "VLLM_VERSION",
     "HAS_TRANSFER_RESULTS",
-    "START_LOAD_AFTER_FORWARD",
     "make_transfer_results",
     "tp_rank_and_size",
     "create_metric_per_engine",

@@ -44,11 +44,12 @@ class LayerKVConfig:
     """Prompts shorter than this are sent as one group at the end of the step (streaming
     costs more than it saves on short prompts)."""
     max_pipeline_stages: int = 8
-    """Adaptive grouping: number of layer groups per step for prompts just above
-    min_prompt_tokens."""
+    """Adaptive grouping: target number of layer groups for a step whose average new tokens
+    per request are at most min_prompt_tokens (groups = num_layers // (num_layers // target),
+    so it can come out slightly higher)."""
     min_pipeline_stages: int = 2
-    """Adaptive grouping: number of layer groups per step once the step's tokens reach
-    3 x min_prompt_tokens."""
+    """Adaptive grouping: target number of layer groups once the step's average new tokens
+    reach 3 x min_prompt_tokens."""
     group_size: int = 0
     """Fixed number of layers per group; 0 = adaptive (the rule above)."""
     piecewise_cudagraph: bool = False
@@ -79,8 +80,9 @@ class LayerKVConfig:
 
     # --- diagnostics ---------------------------------------------------------------------
     trace_path: str = ""
-    """If set, workers append one JSON line per transfer event (layer hooks, group sends,
-    completions) to this file + ".<role>.<rank>". For tests and debugging; off by default."""
+    """If set, prefill workers append one JSON line per transfer event (step plans, layer-group
+    hooks, group sends, transfer completions) to this file + ".p.<rank>". For tests and
+    debugging; off by default."""
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> LayerKVConfig:

@@ -56,7 +56,7 @@ class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         # Only vLLM's extra_config is visible here, not kv_role: the prefill launch marks itself
         # with "piecewise_cudagraph": true so that decode keeps its FULL decode graphs.
-        return bool(extra_config.get("piecewise_cudagraph", False))
+        return LayerKVConfig.from_extra_config(extra_config).piecewise_cudagraph
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> LayerKVStats:

@@ -61,6 +61,10 @@ class DecodeScheduler:
         logger.info("LayerKV decode data endpoints: %s", endpoints)
 
     def num_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        if request.request_id in self._admitted:
+            # Asked again: D preempted the request after its KV arrived and freed the blocks.
+            # P has long released the prompt's KV, so D recomputes it (prefix cache permitting).
+            return 0, False
         self._local_hits[request.request_id] = num_computed_tokens
         n = request.num_prompt_tokens - num_computed_tokens
         return (n, True) if n > 0 else (0, False)

@@ -63,8 +63,8 @@ class LayerKVMetadata(KVConnectorMetadata):
     releases: list[tuple[str, str]] = field(default_factory=list)
     """(req_id, transfer_id): the scheduler holds this finished request's blocks; report it in
     finished_sending once every send for the transfer is acknowledged or given up."""
-    aborts: list[tuple[str, str]] = field(default_factory=list)
-    """(transfer_id, reason): stop sending, tell D to fail the request."""
+    aborts: list[tuple[str, str, Peer]] = field(default_factory=list)
+    """(transfer_id, reason, peer): stop sending, tell D (the peer) to fail the request."""
     recvs: list[RecvTask] = field(default_factory=list)
     recv_closes: list[RecvClose] = field(default_factory=list)
     empty_step: bool = False

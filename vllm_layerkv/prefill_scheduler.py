@@ -76,8 +76,7 @@ class PrefillScheduler:
         self._pending = LayerKVMetadata()
         self._first_seen: dict[str, float] = {}
         self._server = RegistrationServer(config.host, config.registration_port,
-                                          self._on_register, self._incoming.put,
-                                          config.io_timeout_s)
+                                          self._on_register, self._incoming.put)
         self.endpoint = self._server.endpoint
         logger.info("LayerKV prefill registration endpoint %s (engine %s, TP %d)", self.endpoint,
                     engine_id, tp_size)
@@ -106,7 +105,7 @@ class PrefillScheduler:
         ``registration_wait_s``): only a registered request can stream its first chunk while it
         is computed. D receives the request concurrently, so the wait is normally a few ms."""
         wait = self._config.registration_wait_s
-        if wait <= 0:
+        if wait <= 0 or req_id in self._by_req:  # re-admitted after preemption: go on
             return False
         self._drain_incoming()
         if params.transfer_id in self._early_regs:
@@ -164,11 +163,19 @@ class PrefillScheduler:
                 if task is not None:
                     meta.sends.append(task)
 
-    def request_finished(self, req_id: str, block_ids: list[int],
+    def request_finished(self, req_id: str, transfer_id: str, block_ids: list[int],
                          complete: bool) -> tuple[bool, dict[str, Any] | None]:
-        self._first_seen.pop(req_id, None)  # ended while deferred for its registration
+        self._first_seen.pop(req_id, None)
         p = self._by_req.get(req_id)
-        if p is None:
+        if p is None:  # ended before it was scheduled (aborted while deferred, or refused)
+            self._drain_incoming()
+            self._gone[transfer_id] = time.monotonic()  # a later registration is refused
+            early = self._early_regs.pop(transfer_id, None)
+            if early is not None:  # D registered already: tell it through its data endpoint
+                reg = early[0]
+                self._pending.aborts.append((transfer_id, "prefill request aborted",
+                                             Peer(reg.engine_id, reg.tp_size,
+                                                  list(reg.data_endpoints))))
             return False, None
         p.finished = True
         params = {"transfer_id": p.transfer_id, "layerkv_endpoint": self.endpoint}
@@ -178,7 +185,7 @@ class PrefillScheduler:
             if p.reg is None:
                 self._forget(p)
                 return False, params
-            self._pending.aborts.append((p.transfer_id, reason))
+            self._pending.aborts.append((p.transfer_id, reason, p.peer))
             self._release(p)
             return True, params
         p.block_ids = list(block_ids)
@@ -212,7 +219,8 @@ class PrefillScheduler:
         if last > len(p.block_ids) or last > len(p.reg.block_ids):
             logger.error("transfer %s: needs blocks [%d, %d) but P has %d and D has %d; aborting",
                          p.transfer_id, first, last, len(p.block_ids), len(p.reg.block_ids))
-            self._pending.aborts.append((p.transfer_id, "block tables do not cover the prompt"))
+            self._pending.aborts.append((p.transfer_id, "block tables do not cover the prompt",
+                                         p.peer))
             p.final_sent = True
             return None
         final = upto >= p.num_prompt_tokens
@@ -274,8 +282,9 @@ class PrefillScheduler:
         if p is None:
             return
         logger.info("decode cancelled transfer %s: %s", msg.transfer_id, msg.reason)
-        if p.reg is not None:
-            self._pending.aborts.append((p.transfer_id, f"cancelled by decode: {msg.reason}"))
+        if p.peer is not None:
+            self._pending.aborts.append((p.transfer_id, f"cancelled by decode: {msg.reason}",
+                                         p.peer))
         p.final_sent = True  # nothing more to send
         if p.finished:
             self._release(p)

@@ -25,6 +25,7 @@ from vllm_layerkv.grouping import plan_group_size, split_layers
 from vllm_layerkv.layout import KVLayout
 from vllm_layerkv.metadata import LayerKVMetadata, SendTask
 from vllm_layerkv.sender import AbortTransfer, FinishTransfer, GroupSend, Sender
+from vllm_layerkv.stats import WorkerStats
 from vllm_layerkv.trace import Tracer
 
 logger = logging.getLogger("vllm.layerkv.prefill_worker")
@@ -46,8 +47,10 @@ def _record(event: Any) -> None:
 
 
 class PrefillWorker:
-    def __init__(self, config: LayerKVConfig, layout: KVLayout, sender: Sender, tracer: Tracer):
+    def __init__(self, config: LayerKVConfig, layout: KVLayout, sender: Sender, tracer: Tracer,
+                 stats: WorkerStats):
         self._config = config
+        self._stats = stats
         self._layout = layout
         self._sender = sender
         self._tracer = tracer
@@ -65,8 +68,8 @@ class PrefillWorker:
     # ------------------------------------------------------------------ per step
     def bind(self, meta: LayerKVMetadata) -> None:
         self._step += 1
-        for tid, reason in meta.aborts:
-            self._sender.put(AbortTransfer(tid, reason))
+        for tid, reason, peer in meta.aborts:
+            self._sender.put(AbortTransfer(tid, reason, peer))
         for task in meta.flushes:  # KV computed in earlier steps: send it all now
             self._sender.outgoing(task)
             self._sender.put(GroupSend(self._step, 0, list(range(self._layout.num_layers)),
@@ -149,6 +152,7 @@ class PrefillWorker:
                         "within ack_timeout_s=%.0f s (state %s); freeing its blocks",
                         tid, req_id, self._config.ack_timeout_s, out.state)
                     out.state, out.reason = "failed", "ack timeout"
+                    self._stats.record_failed()
                     done.add(req_id)
                 if req_id in done:
                     del self._releases[req_id]

@@ -124,6 +124,10 @@ class RecvTable:
                 return False
             bad = [b for b in dst_blocks if b not in inc.allowed_blocks]
             if bad:
+                while inc.writers:
+                    self._cond.wait()
+                if inc.transfer_id not in self._open:
+                    return False
                 self._finish_locked(inc, "failed", f"prefill wrote to blocks {bad[:8]} that are not "
                                                 "allocated to this transfer")
                 return False
@@ -150,6 +154,11 @@ class RecvTable:
                 inc.expected_ranks = set(tp.source_ranks(self.tp_rank, self._tp_size, src_tp))
             inc.done_ranks.add(src_rank)
             if inc.done_ranks >= inc.expected_ranks:
+                while inc.writers:
+                    self._cond.wait()
+                if inc.transfer_id not in self._open:
+                    return TransferAck(transfer_id=transfer_id, ok=False,
+                                       reason="closed while completing")
                 self._finish_locked(inc, "ok", "")
                 return TransferAck(transfer_id=transfer_id, ok=True)
             return None

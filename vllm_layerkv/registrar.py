@@ -26,10 +26,9 @@ logger = logging.getLogger("vllm.layerkv.registrar")
 class RegistrationServer:
     def __init__(self, host: str, port: int,
                  on_register: Callable[[Register], RegisterAck | Refused],
-                 on_cancel: Callable[[Cancel], None], io_timeout: float):
+                 on_cancel: Callable[[Cancel], None]):
         self._on_register = on_register
         self._on_cancel = on_cancel
-        self._io_timeout = io_timeout
         self._server = framing.listen(host, port)
         self.endpoint = f"{host}:{self._server.getsockname()[1]}"
         self._stop = threading.Event()

@@ -105,7 +105,8 @@ class LayerKVScheduler:
                            "role": self._role_name}
         if isinstance(params, PrefillParams) and self._prefill is not None:
             complete = request.num_computed_tokens >= request.num_prompt_tokens
-            return self._prefill.request_finished(req_id, list(block_ids[0]), complete)
+            return self._prefill.request_finished(req_id, params.transfer_id,
+                                                  list(block_ids[0]), complete)
         if isinstance(params, DecodeParams) and self._decode is not None:
             self._decode.request_finished(req_id)
         return False, None

@@ -17,12 +17,12 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_layerkv import tp
 from vllm_layerkv.blockio import BlockIO
-from vllm_layerkv.metadata import SendTask
+from vllm_layerkv.metadata import Peer, SendTask
 from vllm_layerkv.protocol import Hello, TransferAck
 from vllm_layerkv.stats import WorkerStats
 from vllm_layerkv.trace import Tracer
@@ -55,6 +55,7 @@ class FinishTransfer:
 class AbortTransfer:
     transfer_id: str
     reason: str
+    peer: Peer
 
 
 WorkItem = GroupSend | FinishTransfer | AbortTransfer
@@ -90,13 +91,14 @@ class SenderState:
 
 class Sender:
     def __init__(self, transport: Transport, blocks: BlockIO, hello: Hello,
-                 tp_rank: int, connect_timeout: float, stats: WorkerStats, tracer: Tracer,
-                 on_change: Callable[[], None] | None = None):
+                 tp_rank: int, connect_timeout: float, io_timeout: float, stats: WorkerStats,
+                 tracer: Tracer):
         self._transport = transport
         self._blocks = blocks
         self._hello = hello
         self._tp_rank = tp_rank
         self._connect_timeout = connect_timeout
+        self._io_timeout = io_timeout
         self._stats = stats
         self._tracer = tracer
         self.state = SenderState()
@@ -191,16 +193,17 @@ class Sender:
     def _abort(self, item: AbortTransfer) -> None:
         with self.state.lock:
             out = self.state.transfers.get(item.transfer_id)
-        if out is None:
-            return
-        if out.state in ("open", "done_sent"):
-            channel = self._channels.get(out.endpoint)
-            if channel is not None and channel.alive:
-                try:
-                    channel.send_abort(out.transfer_id, item.reason)
-                except TransportError:
-                    pass
-        self._set_state(out, "aborted", item.reason, force=True)
+        endpoint = (out.endpoint if out is not None
+                    else item.peer.data_endpoints[self._target_rank_of(item.peer)])
+        if out is None or out.state in ("open", "done_sent"):
+            # D may be waiting for this transfer even if nothing was sent yet: tell it
+            try:
+                self._channel(endpoint).send_abort(item.transfer_id, item.reason)
+            except TransportError as e:
+                logger.warning("could not tell decode %s that transfer %s was aborted: %s",
+                               endpoint, item.transfer_id, e)
+        if out is not None:
+            self._set_state(out, "aborted", item.reason, force=True)
 
     def _claim(self, transfer_id: str) -> Outgoing | None:
         """The transfer's state marked in use, or None if it is no longer sendable."""
@@ -222,6 +225,7 @@ class Sender:
             on_ack=self._on_ack,
             on_lost=lambda reason, ep=endpoint: self._on_lost(ep, reason),
             timeout=self._connect_timeout,
+            io_timeout=self._io_timeout,
         )
         self._channels[endpoint] = ch
         return ch
@@ -256,6 +260,7 @@ class Sender:
         self.state.changed.set()
 
     def _target_rank(self, task: SendTask) -> int:
-        from vllm_layerkv import tp
+        return self._target_rank_of(task.peer)
 
-        return tp.target_ranks(self._tp_rank, self._hello.tp_size, task.peer.tp_size)[0]
+    def _target_rank_of(self, peer: Peer) -> int:
+        return tp.target_ranks(self._tp_rank, self._hello.tp_size, peer.tp_size)[0]

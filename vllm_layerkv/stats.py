@@ -64,7 +64,7 @@ class LayerKVStats(KVConnectorStats):
             out["avg group send (ms)"] = round(1e3 * sum(send) / len(send), 3)
             total = sum(send)
             if total > 0:
-                out["send throughput (MB/s)"] = round(self.data["bytes_sent"] / total / 2**20, 1)
+                out["send throughput (MiB/s)"] = round(self.data["bytes_sent"] / total / 2**20, 1)
         exposed = self.data["exposed_seconds"]
         if exposed:
             out["avg exposed transfer (ms)"] = round(1e3 * sum(exposed) / len(exposed), 3)

@@ -66,8 +66,10 @@ class LayerKVWorker:
             hello = Hello(compat=self._compat, engine_id=self._engine_id,
                           tp_rank=self._tp_rank, tp_size=self._tp_size)
             self._sender = Sender(self._transport, blocks, hello, self._tp_rank,
-                                  self._config.connect_timeout_s, self._stats, self._tracer)
-            self._prefill = PrefillWorker(self._config, layout, self._sender, self._tracer)
+                                  self._config.connect_timeout_s, self._config.io_timeout_s,
+                                  self._stats, self._tracer)
+            self._prefill = PrefillWorker(self._config, layout, self._sender, self._tracer,
+                                          self._stats)
         if self._is_consumer:
             self._decode = DecodeWorker(self._config, blocks, self._transport, self._compat,
                                         self._tp_rank, self._tp_size, self._stats)

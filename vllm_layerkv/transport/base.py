@@ -90,8 +90,10 @@ class Transport(ABC):
         on_ack: Callable[[TransferAck], None],
         on_lost: Callable[[str], None],
         timeout: float,
+        io_timeout: float,
     ) -> SendChannel:
-        """Connect to a decode rank's data endpoint and pass its compatibility check."""
+        """Connect to a decode rank's data endpoint and pass its compatibility check (both
+        within ``timeout``); a write that makes no progress for ``io_timeout`` fails."""
 
     @abstractmethod
     def start_receiver(

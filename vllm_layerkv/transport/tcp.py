@@ -95,9 +95,12 @@ class TcpSendChannel(SendChannel):
             raise TransportError(f"send to decode {self._endpoint} failed: {e}") from None
 
     def _read_acks(self) -> None:
-        self._sock.settimeout(None)  # acks may be minutes apart; liveness comes from TCP
         try:
-            while True:
+            while self._alive:
+                # acks may be minutes apart: wait for readability, then read one message
+                readable, _, _ = select.select([self._sock], [], [], 1.0)
+                if not readable:
+                    continue
                 msg = framing.recv_message(self._sock)
                 if isinstance(msg, TransferAck):
                     self._on_ack(msg)
@@ -125,7 +128,7 @@ class TcpTransport(Transport):
     # ------------------------------------------------------------------ P side
     def open_channel(self, endpoint: str, hello: Hello, blocks: BlockIO,
                      on_ack: Callable[[TransferAck], None], on_lost: Callable[[str], None],
-                     timeout: float) -> SendChannel:
+                     timeout: float, io_timeout: float) -> SendChannel:
         try:
             sock = framing.connect(endpoint, timeout)
             framing.send_message(sock, hello)
@@ -138,7 +141,7 @@ class TcpTransport(Transport):
         if not isinstance(reply, HelloAck):
             sock.close()
             raise TransportError(f"decode {endpoint} answered {type(reply).__name__} to Hello")
-        sock.settimeout(None)
+        sock.settimeout(io_timeout)  # a D that stops reading fails the send, not hangs it
         return TcpSendChannel(sock, endpoint, blocks, on_ack, on_lost)
 
     # ------------------------------------------------------------------ D side
