@@ -1,0 +1,35 @@
+"""The benchmark script's CPU smoke run: the same script the GPU numbers come from, on the tiny
+random model, single instance vs LayerKV P/D, with the greedy identity check."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vllm_layerkv.testing.models import model_path
+
+pytestmark = pytest.mark.e2e
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_ttft_bench_cpu_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "ttft_bench.py"), "--device", "cpu",
+           "--model", str(model_path("tiny-llama")), "--configs", "single", "layerkv",
+           "--prompt-lens", "64", "512", "--num-prompts", "2", "--identity", "3",
+           "--max-model-len", "2048", "--out", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["identity"] == {"single_vs_single": 3, "layerkv_vs_single": 3, "prompts": 3}
+    for config in ("single", "layerkv"):
+        for n in (64, 512):
+            res = summary["results"][config][f"c1_in{n}"]
+            assert res["completed"] == 2 and res["failed"] == 0
+            assert res["median_ttft_ms"] > 0
+    # the result files vllm bench serve saved are there for the table / plots
+    assert (out / "layerkv_c1_in512.json").exists()
