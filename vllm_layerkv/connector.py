@@ -102,13 +102,19 @@ class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.end_step()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        # vLLM 0.26 path (0.32+ calls get_transfer_results). It has no request-level failure
+        # report, so a failed request is reported finished here and its blocks as load errors
+        # in the same step (get_block_ids_with_load_errors), which applies vLLM's
+        # kv_load_failure_policy (fail or recompute). 0.26 handles that for one KV cache group,
+        # which is all this version supports.
         assert self._worker is not None
         sending, recving, failed = self._worker.transfer_results()
-        if failed:
-            # vLLM 0.26 has no request-level failure report: the request proceeds with the
-            # blocks it has (see docs/architecture.md, "vLLM versions").
-            logger.error("LayerKV: KV for %s failed; vLLM 0.26 cannot fail it", sorted(failed))
         return (sending or None), ((recving | failed) or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        if self._worker is None or HAS_TRANSFER_RESULTS:
+            return set()  # 0.32+: failures travel as failed_recving instead
+        return self._worker.failed_blocks()
 
     if HAS_TRANSFER_RESULTS:
 

@@ -33,3 +33,6 @@ class DecodeWorker:
         if wait_s > 0 and self._table.pending() and not self._table.results_ready.is_set():
             self._table.results_ready.wait(wait_s)
         return self._table.drain()
+
+    def failed_blocks(self) -> set[int]:
+        return self._table.drain_failed_blocks()

@@ -50,6 +50,7 @@ class RecvTable:
         self._closed: dict[str, float] = {}  # transfer_id -> when (tombstones)
         self._finished: set[str] = set()
         self._failed: set[str] = set()
+        self._failed_blocks: set[int] = set()
         self.results_ready = threading.Event()
 
     # ----------------------------------------------------------- worker thread
@@ -84,6 +85,13 @@ class RecvTable:
                 del self._closed[tid]
         return finished, failed
 
+    def drain_failed_blocks(self) -> set[int]:
+        """Block ids of transfers that failed since the last call (vLLM 0.26 reports failures
+        per block: ``get_block_ids_with_load_errors``)."""
+        with self._cond:
+            blocks, self._failed_blocks = self._failed_blocks, set()
+        return blocks
+
     def pending(self) -> int:
         with self._cond:
             return len(self._open)
@@ -98,6 +106,7 @@ class RecvTable:
             logger.error("LayerKV transfer %s (request %s) failed: %s", inc.transfer_id,
                          inc.req_id, reason)
             self._failed.add(inc.req_id)
+            self._failed_blocks |= inc.allowed_blocks
             self._stats.record_failed()
         else:
             self._finished.add(inc.req_id)

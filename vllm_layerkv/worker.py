@@ -117,6 +117,10 @@ class LayerKVWorker:
             recving, failed = self._decode.results(IDLE_WAIT_S if idle else 0.0)
         return sending, recving, failed
 
+    def failed_blocks(self) -> set[int]:
+        """D blocks of failed transfers since the last call (for vLLM 0.26's per-block report)."""
+        return self._decode.failed_blocks() if self._decode is not None else set()
+
     def stats(self) -> LayerKVStats | None:
         return self._stats.take()
 
