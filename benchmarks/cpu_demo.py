@@ -4,7 +4,8 @@ time (streaming), prints time to first token for both, checks the generated text
 and prints LayerKV's own transfer metrics.
 
 CPU timings are a smoke test, not performance evidence: P and D get one core each, the single
-instance gets one core as well (same core as P, used one request at a time).
+instance gets one core as well (same core as P, used one request at a time), and LayerKV's sender
+thread shares P's core with the prefill.
 
 Usage: python benchmarks/cpu_demo.py [--workdir DIR] [--words 50 400 1000 ...]
 """
@@ -56,7 +57,9 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=16)
     args = ap.parse_args()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="layerkv-demo-"))
-    spec = ClusterSpec(model=model_path("smollm2"), workdir=workdir, reference_cpus="0")
+    # same scheduler budget as the single instance, so the comparison is like for like
+    spec = ClusterSpec(model=model_path("smollm2"), workdir=workdir, reference_cpus="0",
+                       prefill_batched_tokens=None)
     print(f"starting single instance, prefill, decode and proxy (logs in {workdir}) ...",
           flush=True)
     t = time.perf_counter()

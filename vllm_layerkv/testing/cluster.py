@@ -28,8 +28,9 @@ MODEL_NAME = "m"
 class ClusterSpec:
     model: Path
     workdir: Path
-    prefill_batched_tokens: int = 256
-    """P's max_num_batched_tokens: small, so long prompts prefill in several chunks."""
+    prefill_batched_tokens: int | None = 256
+    """P's max_num_batched_tokens: small, so long prompts prefill in several chunks (None: vLLM's
+    default, as the reference instance has)."""
     prefill_extra: dict[str, Any] = field(default_factory=dict)
     decode_extra: dict[str, Any] = field(default_factory=dict)
     with_reference: bool = True
