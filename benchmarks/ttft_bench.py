@@ -26,18 +26,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from vllm_layerkv.testing.servers import (  # noqa: E402
+    HelperProcess,
     VllmServer,
     free_port,
     post_json,
@@ -50,38 +49,6 @@ NAME = "m"
 
 def log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-class Proc:
-    """A helper process (proxy) in its own session, killed with its children."""
-
-    def __init__(self, cmd: list[str], log_path: Path, url: str):
-        self.url = url
-        self._log = open(log_path, "ab")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-
-    def wait_ready(self, timeout: float = 600) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.url} exited with {self.proc.returncode}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                time.sleep(1)
-        raise TimeoutError(self.url)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-        self._log.close()
 
 
 def server(args: argparse.Namespace, role: str, out: Path, kv: dict | None,
@@ -123,7 +90,7 @@ def start_config(name: str, args: argparse.Namespace, out: Path) -> tuple[str, l
                     "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}, slot=1)
         start_all([p, d], timeout=args.start_timeout)
         port = free_port()
-        proxy = Proc([sys.executable, str(ROOT / "benchmarks" / "nixl_proxy.py"), "--prefill",
+        proxy = HelperProcess([sys.executable, str(ROOT / "benchmarks" / "nixl_proxy.py"), "--prefill",
                       p.url, "--decode", d.url, "--port", str(port)], cdir / "proxy.log",
                      f"http://127.0.0.1:{port}")
         proxy.wait_ready()
@@ -139,7 +106,7 @@ def start_config(name: str, args: argparse.Namespace, out: Path) -> tuple[str, l
         d = server(args, "decode", cdir, {**lkv, "kv_role": "kv_consumer"}, slot=1)
         start_all([p, d], timeout=args.start_timeout)
         port = free_port()
-        proxy = Proc([sys.executable, "-m", "vllm_layerkv.cli", "proxy", "--prefill", p.url,
+        proxy = HelperProcess([sys.executable, "-m", "vllm_layerkv.cli", "proxy", "--prefill", p.url,
                       "--decode", d.url, "--port", str(port)], cdir / "proxy.log",
                      f"http://127.0.0.1:{port}")
         proxy.wait_ready()

@@ -39,6 +39,10 @@ from vllm_layerkv.registrar import RegistrationServer
 from vllm_layerkv.request_params import PrefillParams
 
 logger = logging.getLogger("vllm.layerkv.prefill_scheduler")
+EARLY_REGISTRATION_TTL_S = 3600.0
+"""A registration whose prefill request has not been scheduled yet is kept until D cancels it
+(D sends Cancel when it times out or aborts). The request may sit in P's queue behind other
+prefills for a long time, so this TTL is only a leak guard against a D that vanished."""
 
 
 @dataclass
@@ -298,10 +302,10 @@ class PrefillScheduler:
                 "prefill finished; freeing its blocks", p.transfer_id,
                 self._config.registration_timeout_s)
             self._release(p)
-        ttl = self._config.registration_timeout_s
-        for tid in [t for t, (_, at) in self._early_regs.items() if now - at > ttl]:
+        for tid in [t for t, (_, at) in self._early_regs.items()
+                    if now - at > EARLY_REGISTRATION_TTL_S]:
             del self._early_regs[tid]
-        for tid in [t for t, at in self._gone.items() if now - at > 10 * ttl]:
+        for tid in [t for t, at in self._gone.items() if now - at > EARLY_REGISTRATION_TTL_S]:
             del self._gone[tid]
 
     def _forget(self, p: _Prefill) -> None:

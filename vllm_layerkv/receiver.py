@@ -67,11 +67,8 @@ class RecvTable:
         finished, which frees its blocks just the same."""
         with self._cond:
             inc = self._open.get(transfer_id)
-            if inc is None:
-                return
-            while inc.writers:
-                self._cond.wait()
-            self._finish_locked(inc, "failed" if failed else "cancelled", reason)
+            if inc is not None:
+                self._close_locked(inc, "failed" if failed else "cancelled", reason)
 
     def drain(self) -> tuple[set[str], set[str]]:
         """(finished, failed) request ids since the last call; failed ⊆ finished is NOT
@@ -95,6 +92,14 @@ class RecvTable:
     def pending(self) -> int:
         with self._cond:
             return len(self._open)
+
+    def _close_locked(self, inc: _Incoming, outcome: str, reason: str) -> None:
+        """Wait until no receiver thread writes into ``inc``, then finish it (if nobody else
+        did meanwhile)."""
+        while inc.writers:
+            self._cond.wait()
+        if inc.transfer_id in self._open:
+            self._finish_locked(inc, outcome, reason)
 
     def _finish_locked(self, inc: _Incoming, outcome: str, reason: str) -> None:
         """outcome: "ok" (all KV arrived), "failed", or "cancelled" (the request ended)."""
@@ -133,12 +138,8 @@ class RecvTable:
                 return False
             bad = [b for b in dst_blocks if b not in inc.allowed_blocks]
             if bad:
-                while inc.writers:
-                    self._cond.wait()
-                if inc.transfer_id not in self._open:
-                    return False
-                self._finish_locked(inc, "failed", f"prefill wrote to blocks {bad[:8]} that are not "
-                                                "allocated to this transfer")
+                self._close_locked(inc, "failed", f"prefill wrote to blocks {bad[:8]} that are "
+                                                  "not allocated to this transfer")
                 return False
             inc.sources.add(source)
             inc.writers += 1
@@ -163,32 +164,24 @@ class RecvTable:
                 inc.expected_ranks = set(tp.source_ranks(self.tp_rank, self._tp_size, src_tp))
             inc.done_ranks.add(src_rank)
             if inc.done_ranks >= inc.expected_ranks:
-                while inc.writers:
-                    self._cond.wait()
-                if inc.transfer_id not in self._open:
+                self._close_locked(inc, "ok", "")
+                if inc.req_id in self._failed:  # closed as failed by another path meanwhile
                     return TransferAck(transfer_id=transfer_id, ok=False,
                                        reason="closed while completing")
-                self._finish_locked(inc, "ok", "")
                 return TransferAck(transfer_id=transfer_id, ok=True)
             return None
 
     def on_abort(self, transfer_id: str, reason: str) -> None:
         with self._cond:
             inc = self._open.get(transfer_id)
-            if inc is None:
-                return
-            while inc.writers:
-                self._cond.wait()
-            self._finish_locked(inc, "failed", f"prefill aborted the transfer: {reason}")
+            if inc is not None:
+                self._close_locked(inc, "failed", f"prefill aborted the transfer: {reason}")
 
     def on_source_lost(self, engine_id: str, src_rank: int, reason: str) -> None:
         with self._cond:
             for inc in list(self._open.values()):
                 if (engine_id, src_rank) in inc.sources and src_rank not in inc.done_ranks:
-                    while inc.writers:
-                        self._cond.wait()
-                    if inc.transfer_id in self._open:
-                        self._finish_locked(inc, "failed", f"prefill rank {src_rank}: {reason}")
+                    self._close_locked(inc, "failed", f"prefill rank {src_rank}: {reason}")
 
     def _wait_known_locked(self, transfer_id: str) -> _Incoming | None:
         """The open transfer, waiting briefly if P is faster than this worker learning about

@@ -9,17 +9,20 @@ time it). On a machine with more cores the same binds still work.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_layerkv.testing.servers import VllmServer, free_port, get_text, start_all, stop_all
+from vllm_layerkv.testing.servers import (
+    HelperProcess,
+    VllmServer,
+    free_port,
+    get_text,
+    start_all,
+    stop_all,
+)
 
 MODEL_NAME = "m"
 
@@ -36,41 +39,6 @@ class ClusterSpec:
     with_reference: bool = True
     reference_cpus: str = "0-1"
     max_model_len: int = 4096
-
-
-class ProxyProcess:
-    def __init__(self, prefill: list[str], decode: list[str], port: int, log_path: Path):
-        self.port = port
-        self.url = f"http://127.0.0.1:{port}"
-        self._log = open(log_path, "ab")
-        cmd = [sys.executable, "-m", "vllm_layerkv.cli", "proxy", "--prefill", *prefill,
-               "--decode", *decode, "--port", str(port)]
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-
-    def wait_ready(self, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"proxy exited with {self.proc.returncode}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError("proxy not healthy in time")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self._log.close()
 
 
 class PDCluster:
@@ -94,7 +62,7 @@ class PDCluster:
             spec.model, free_port(), served_model_name=MODEL_NAME, cpu_bind=spec.reference_cpus,
             log_path=spec.workdir / "reference.log", max_model_len=spec.max_model_len)
             if spec.with_reference else None)
-        self.proxy: ProxyProcess | None = None
+        self.proxy: HelperProcess | None = None
 
     @property
     def servers(self) -> list[VllmServer]:
@@ -103,8 +71,11 @@ class PDCluster:
     def start(self, timeout: float = 600.0) -> PDCluster:
         try:
             start_all(self.servers, timeout=timeout)
-            self.proxy = ProxyProcess([self.prefill.url], [self.decode.url], free_port(),
-                                      self.spec.workdir / "proxy.log")
+            port = free_port()
+            self.proxy = HelperProcess(
+                [sys.executable, "-m", "vllm_layerkv.cli", "proxy", "--prefill",
+                 self.prefill.url, "--decode", self.decode.url, "--port", str(port)],
+                self.spec.workdir / "proxy.log", f"http://127.0.0.1:{port}")
             self.proxy.wait_ready()
         except BaseException:
             self.stop()

@@ -514,3 +514,37 @@ def stop_all(servers: Iterable[VllmServer]) -> None:
         t.start()
     for t in threads:
         t.join()
+
+
+class HelperProcess:
+    """A non-vLLM helper server (a proxy) in its own session: waited for on ``/health`` and
+    stopped together with its children."""
+
+    def __init__(self, cmd: Sequence[str], log_path: Path | str, url: str) -> None:
+        self.url = url
+        self._log = open(log_path, "ab")
+        self.proc = subprocess.Popen(list(cmd), stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerError(f"{self.url} exited with {self.proc.returncode}")
+            try:
+                if get_text(self.url + "/health", timeout=5)[0] == 200:
+                    return
+            except OSError:  # not listening yet
+                pass
+            time.sleep(0.5)
+        raise ServerError(f"{self.url} not healthy after {timeout:.0f} s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
