@@ -270,7 +270,14 @@ class PrefillScheduler:
                 return
             if isinstance(msg, Register):
                 p = self._by_tid.get(msg.transfer_id)
-                if p is None:
+                gave_up = (msg.transfer_id in self._gone if p is None
+                           else p.reg is None and p.released)
+                if gave_up:
+                    # acknowledged just as P gave up on it: tell D instead of leaving it waiting
+                    self._pending.aborts.append((
+                        msg.transfer_id, "prefill stopped waiting for this registration",
+                        Peer(msg.engine_id, msg.tp_size, list(msg.data_endpoints))))
+                elif p is None:
                     self._early_regs[msg.transfer_id] = (msg, time.monotonic())
                 elif p.reg is None:
                     self._attach(p, msg)

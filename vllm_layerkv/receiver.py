@@ -48,6 +48,8 @@ class RecvTable:
         self._cond = threading.Condition()
         self._open: dict[str, _Incoming] = {}
         self._closed: dict[str, float] = {}  # transfer_id -> when (tombstones)
+        self._aborted_early: dict[str, tuple[str, float]] = {}
+        """transfer_id -> (reason, when): P aborted it before this worker learned about it."""
         self._finished: set[str] = set()
         self._failed: set[str] = set()
         self._failed_blocks: set[int] = set()
@@ -56,9 +58,13 @@ class RecvTable:
     # ----------------------------------------------------------- worker thread
     def expect(self, task: RecvTask) -> None:
         with self._cond:
-            self._open[task.transfer_id] = _Incoming(
-                req_id=task.req_id, transfer_id=task.transfer_id,
-                allowed_blocks=frozenset(task.block_ids), t_expected=time.monotonic())
+            inc = _Incoming(req_id=task.req_id, transfer_id=task.transfer_id,
+                            allowed_blocks=frozenset(task.block_ids),
+                            t_expected=time.monotonic())
+            self._open[task.transfer_id] = inc
+            early = self._aborted_early.pop(task.transfer_id, None)
+            if early is not None:
+                self._finish_locked(inc, "failed", f"prefill aborted the transfer: {early[0]}")
             self._cond.notify_all()
 
     def close(self, transfer_id: str, failed: bool, reason: str) -> None:
@@ -80,6 +86,9 @@ class RecvTable:
             now = time.monotonic()
             for tid in [t for t, at in self._closed.items() if now - at > TOMBSTONE_S]:
                 del self._closed[tid]
+            for tid in [t for t, (_, at) in self._aborted_early.items()
+                        if now - at > TOMBSTONE_S]:
+                del self._aborted_early[tid]
         return finished, failed
 
     def drain_failed_blocks(self) -> set[int]:
@@ -176,6 +185,9 @@ class RecvTable:
             inc = self._open.get(transfer_id)
             if inc is not None:
                 self._close_locked(inc, "failed", f"prefill aborted the transfer: {reason}")
+            elif transfer_id not in self._closed:
+                # the abort overtook the worker's RecvTask: fail the transfer when it shows up
+                self._aborted_early[transfer_id] = (reason, time.monotonic())
 
     def on_source_lost(self, engine_id: str, src_rank: int, reason: str) -> None:
         with self._cond:

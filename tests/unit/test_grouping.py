@@ -1,0 +1,99 @@
+"""Layer-group planning: the adaptive rule, its overrides, and the layer split.
+
+Worked numbers for num_layers=30, min_prompt_tokens=256, stages 8..2 (sat = 3*256 = 768):
+
+    tokens   t      target_iters        group size  groups
+    <=256    0      8                   30//8 = 3    10
+    384      0.25   round(6.5)=6        30//6 = 5     6
+    512      0.5    5                   30//5 = 6     5
+    640      0.75   round(3.5)=4        30//4 = 7     5 (7,7,7,7,2)
+    >=768    1      2                   30//2 = 15    2
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_layerkv.config import LayerKVConfig
+from vllm_layerkv.grouping import plan_group_size, split_layers
+
+ADAPTIVE = LayerKVConfig(min_prompt_tokens=256, max_pipeline_stages=8, min_pipeline_stages=2)
+
+
+@pytest.mark.parametrize("tokens,size,groups", [
+    (1, 3, 10), (100, 3, 10), (256, 3, 10),
+    (384, 5, 6), (512, 6, 5), (640, 7, 5),
+    (768, 15, 2), (1000, 15, 2), (100_000, 15, 2),
+])
+def test_adaptive_rule_30_layers(tokens: int, size: int, groups: int) -> None:
+    got = plan_group_size(30, tokens, ADAPTIVE)
+    assert got == size
+    assert len(split_layers(30, got)) == groups
+
+
+def test_adaptive_group_size_is_monotone_between_the_thresholds() -> None:
+    sizes = [plan_group_size(30, t, ADAPTIVE) for t in range(0, 1200, 7)]
+    assert sizes[0] == 3 and sizes[-1] == 15
+    assert all(a <= b for a, b in zip(sizes, sizes[1:])), sizes
+    assert len(set(sizes)) >= 5  # it actually adapts in between, not a step function
+
+
+def test_target_iterations_never_exceed_layers() -> None:
+    # 4 layers, 8 stages wanted: one layer per group, never 0
+    assert plan_group_size(4, 0, ADAPTIVE) == 1
+    assert plan_group_size(1, 0, ADAPTIVE) == 1
+    assert plan_group_size(1, 10_000, ADAPTIVE) == 1
+
+
+def test_min_prompt_tokens_zero_means_always_saturated() -> None:
+    cfg = LayerKVConfig(min_prompt_tokens=0, max_pipeline_stages=8, min_pipeline_stages=2)
+    assert plan_group_size(30, 0, cfg) == 15
+    assert plan_group_size(30, 5000, cfg) == 15
+
+
+def test_equal_stage_bounds_give_a_constant_group_size() -> None:
+    cfg = LayerKVConfig(min_pipeline_stages=4, max_pipeline_stages=4)
+    assert {plan_group_size(32, t, cfg) for t in (0, 300, 600, 900, 5000)} == {8}
+
+
+@pytest.mark.parametrize("fixed,expected", [(1, 1), (4, 4), (29, 29), (30, 30), (100, 30)])
+def test_fixed_group_size_overrides_the_rule(fixed: int, expected: int) -> None:
+    cfg = ADAPTIVE.replace(group_size=fixed)
+    for tokens in (1, 256, 512, 10_000):
+        assert plan_group_size(30, tokens, cfg) == expected
+
+
+def test_layerwise_off_is_one_group_even_with_group_size() -> None:
+    for cfg in (ADAPTIVE.replace(layerwise=False),
+                ADAPTIVE.replace(layerwise=False, group_size=2)):
+        for tokens in (1, 500, 10_000):
+            size = plan_group_size(30, tokens, cfg)
+            assert size == 30
+            assert split_layers(30, size) == [range(0, 30)]
+
+
+def test_plan_rejects_no_layers() -> None:
+    with pytest.raises(ValueError, match="num_layers"):
+        plan_group_size(0, 100, ADAPTIVE)
+
+
+@pytest.mark.parametrize("num_layers", [1, 2, 7, 8, 30, 31, 80])
+def test_split_layers_covers_each_layer_once_in_order(num_layers: int) -> None:
+    for size in range(1, num_layers + 3):
+        groups = split_layers(num_layers, size)
+        flat = [layer for g in groups for layer in g]
+        assert flat == list(range(num_layers))
+        assert all(len(g) == size for g in groups[:-1])
+        assert 1 <= len(groups[-1]) <= size
+        assert len(groups) == -(-num_layers // size)
+
+
+def test_split_layers_examples() -> None:
+    assert split_layers(8, 3) == [range(0, 3), range(3, 6), range(6, 8)]
+    assert split_layers(30, 15) == [range(0, 15), range(15, 30)]
+
+
+def test_split_layers_rejects_non_positive_size() -> None:
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="group_size"):
+            split_layers(8, bad)

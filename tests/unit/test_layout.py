@@ -1,0 +1,160 @@
+"""KV tensor geometry on CPU tensors shaped like vLLM's HND caches
+``[num_blocks, kv_heads, block_size, 2*head_size]``."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+)
+
+from vllm_layerkv.layout import KVLayout, LayoutError, attention_spec, layer_index
+
+NUM_BLOCKS, HEADS, BLOCK_SIZE, HEAD = 10, 2, 16, 8
+
+
+def _name(i: int) -> str:
+    return f"model.layers.{i}.self_attn.attn"
+
+
+def _cache(num_blocks: int = NUM_BLOCKS, block_size: int = BLOCK_SIZE,
+           dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(num_blocks, HEADS, block_size, 2 * HEAD).to(dtype)
+
+
+@pytest.mark.parametrize("name,index", [
+    ("model.layers.7.self_attn.attn", 7),
+    ("model.layers.12.attn", 12),
+    ("transformer.h.3.attn.attn", 3),
+    ("model.decoder.layers.0.self_attn.attn", 0),
+    ("blocks.5.attn", 5),
+    ("model.language_model.layers.31.self_attn.attn", 31),
+    ("encoder.stage.4.mixer", 4),           # fallback: last ".N." component
+])
+def test_layer_index(name: str, index: int) -> None:
+    assert layer_index(name) == index
+
+
+def test_layer_index_missing() -> None:
+    with pytest.raises(LayoutError, match="attn_without_index"):
+        layer_index("attn_without_index")
+
+
+def test_shuffled_names_are_ordered_by_layer_index() -> None:
+    tensors = {_name(i): _cache() for i in range(12)}
+    names = list(tensors)
+    random.Random(7).shuffle(names)
+    assert names != sorted(names, key=layer_index)
+    layout = KVLayout.from_kv_caches({n: tensors[n] for n in names}, NUM_BLOCKS)
+    assert layout.layer_names == [_name(i) for i in range(12)]  # 10, 11 after 9, not after 1
+    assert all(layout.tensors[i] is tensors[_name(i)] for i in range(12))
+    assert layout.num_layers == 12
+    assert layout.num_blocks == NUM_BLOCKS
+    assert layout.block_bytes == HEADS * BLOCK_SIZE * 2 * HEAD * 4
+    assert layout.device == torch.device("cpu")
+
+
+def test_aliased_caches_are_sent_once() -> None:
+    # KV sharing: layers 4..5 reuse the caches of layers 0..1 (same storage)
+    base = [_cache() for _ in range(4)]
+    caches = {_name(i): base[i] for i in range(4)}
+    caches[_name(4)] = base[0]
+    caches[_name(5)] = base[1].view(NUM_BLOCKS, HEADS, BLOCK_SIZE, 2 * HEAD)  # alias via a view
+    layout = KVLayout.from_kv_caches(caches, NUM_BLOCKS)
+    assert layout.num_layers == 4
+    assert layout.layer_names == [_name(i) for i in range(4)]
+    assert [t.data_ptr() for t in layout.tensors] == [t.data_ptr() for t in base]
+
+
+def test_kernel_block_ratio_doubles_block_bytes() -> None:
+    plain = KVLayout.from_kv_caches({_name(0): _cache(NUM_BLOCKS, 16)}, NUM_BLOCKS)
+    # the backend splits each logical block of 32 tokens into 2 kernel blocks of 16
+    split_cache = _cache(2 * NUM_BLOCKS, 16)
+    split = KVLayout.from_kv_caches({_name(0): split_cache}, NUM_BLOCKS)
+    assert split.block_bytes == 2 * plain.block_bytes
+    view = split.host_block_views()[0]
+    assert view.shape == (NUM_BLOCKS, split.block_bytes)
+    # logical block b is kernel blocks 2b and 2b+1, back to back
+    kernel_bytes = split_cache.view(torch.uint8).reshape(2 * NUM_BLOCKS, -1).numpy()
+    for b in range(NUM_BLOCKS):
+        assert bytes(view[b]) == bytes(kernel_bytes[2 * b]) + bytes(kernel_bytes[2 * b + 1])
+
+
+def test_block_count_not_a_multiple_of_logical_blocks() -> None:
+    with pytest.raises(LayoutError, match="not a multiple"):
+        KVLayout.from_kv_caches({_name(0): _cache(15)}, NUM_BLOCKS)
+
+
+def test_non_contiguous_cache_is_refused() -> None:
+    t = torch.randn(NUM_BLOCKS, BLOCK_SIZE, HEADS, 2 * HEAD).transpose(1, 2)  # NHD seen as HND
+    assert not t.is_contiguous()
+    with pytest.raises(LayoutError) as e:
+        KVLayout.from_kv_caches({_name(0): _cache(), _name(1): t}, NUM_BLOCKS)
+    assert _name(1) in str(e.value) and "not contiguous" in str(e.value)
+
+
+def test_mixed_block_sizes_are_refused() -> None:
+    with pytest.raises(LayoutError, match="different block sizes"):
+        KVLayout.from_kv_caches({_name(0): _cache(), _name(1): _cache(block_size=32)},
+                                NUM_BLOCKS)
+
+
+def test_empty_and_multi_tensor_caches_are_refused() -> None:
+    with pytest.raises(LayoutError, match="no KV cache"):
+        KVLayout.from_kv_caches({}, NUM_BLOCKS)
+    with pytest.raises(LayoutError, match="Mamba"):
+        KVLayout.from_kv_caches({_name(0): [_cache(), _cache()]}, NUM_BLOCKS)  # type: ignore
+
+
+def test_bfloat16_block_bytes() -> None:
+    layout = KVLayout.from_kv_caches({_name(0): _cache(dtype=torch.bfloat16)}, NUM_BLOCKS)
+    assert layout.block_bytes == HEADS * BLOCK_SIZE * 2 * HEAD * 2
+
+
+def test_host_block_views_write_through() -> None:
+    caches = {_name(i): torch.zeros(NUM_BLOCKS, HEADS, BLOCK_SIZE, 2 * HEAD) for i in range(3)}
+    layout = KVLayout.from_kv_caches(caches, NUM_BLOCKS)
+    views = layout.host_block_views()
+    assert len(views) == 3
+    assert all(v.shape == (NUM_BLOCKS, layout.block_bytes) and v.dtype.name == "uint8"
+               for v in views)
+    # write through a view -> exactly that layer's block changes in the tensor
+    views[1][4, :] = 0xFF
+    t = caches[_name(1)]
+    assert torch.isnan(t[4]).all()  # 0xFFFFFFFF is a float32 NaN
+    assert (t[:4] == 0).all() and (t[5:] == 0).all()
+    assert (caches[_name(0)] == 0).all() and (caches[_name(2)] == 0).all()
+    # and the other way round: tensor writes are visible in the view (no copy)
+    caches[_name(2)][7].fill_(1.0)
+    raw = bytes(views[2][7])
+    assert raw == torch.ones(HEADS, BLOCK_SIZE, 2 * HEAD).numpy().tobytes()
+    assert not views[2][6].any()
+
+
+def _kv_config(*specs) -> KVCacheConfig:
+    return KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn"], spec)
+        for i, spec in enumerate(specs)])
+
+
+def test_attention_spec_page_size_matches_layout_block_bytes() -> None:
+    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=HEADS, head_size=HEAD,
+                             dtype=torch.float32)
+    assert attention_spec(_kv_config(spec)) is spec
+    layout = KVLayout.from_kv_caches({_name(0): _cache()}, NUM_BLOCKS)
+    assert spec.page_size_bytes == layout.block_bytes
+
+
+def test_attention_spec_refuses_sliding_window_groups() -> None:
+    full = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=HEADS, head_size=HEAD,
+                             dtype=torch.float32)
+    swa = SlidingWindowSpec(block_size=BLOCK_SIZE, num_kv_heads=HEADS, head_size=HEAD,
+                            dtype=torch.float32, sliding_window=64)
+    with pytest.raises(LayoutError, match="sliding"):
+        attention_spec(_kv_config(full, swa))

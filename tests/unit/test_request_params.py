@@ -1,0 +1,113 @@
+"""kv_transfer_params parsing: valid prefill / decode / discovery requests, and every malformed
+request gets a ParamsError whose message names the field to fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_layerkv.request_params import (
+    MAX_TRANSFER_ID_LEN,
+    DecodeParams,
+    DiscoverParams,
+    ParamsError,
+    PrefillParams,
+    parse,
+)
+
+DECODE = {"do_remote_prefill": True, "transfer_id": "abc", "remote_host": "10.0.0.5",
+          "remote_port": 7000}
+
+
+def test_plain_requests_are_none() -> None:
+    assert parse(None) is None
+    assert parse({}) is None
+    assert parse({"do_remote_decode": False, "do_remote_prefill": False}) is None
+    assert parse({"unrelated": 1}) is None
+
+
+def test_prefill() -> None:
+    assert parse({"do_remote_decode": True, "transfer_id": "t-1"}) == PrefillParams("t-1")
+    # extra keys (NIXL-style fields a proxy may add) are tolerated
+    assert parse({"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": "t",
+                  "remote_engine_id": "x"}) == PrefillParams("t")
+
+
+def test_decode() -> None:
+    assert parse(DECODE) == DecodeParams("abc", "10.0.0.5:7000")
+    assert parse({**DECODE, "remote_port": "7001"}) == DecodeParams("abc", "10.0.0.5:7001")
+    assert parse({**DECODE, "remote_port": 65535}).remote_endpoint == "10.0.0.5:65535"
+    assert parse({**DECODE, "remote_port": 1}).remote_endpoint == "10.0.0.5:1"
+
+
+def test_discover() -> None:
+    assert parse({"layerkv_discover": True}) == DiscoverParams()
+    assert parse({"layerkv_discover": False}) is None
+
+
+def test_transfer_id_length_limit() -> None:
+    tid = "x" * MAX_TRANSFER_ID_LEN
+    assert parse({"do_remote_decode": True, "transfer_id": tid}) == PrefillParams(tid)
+    with pytest.raises(ParamsError, match="transfer_id"):
+        parse({"do_remote_decode": True, "transfer_id": tid + "x"})
+
+
+@pytest.mark.parametrize("params", [[1, 2], "do_remote_decode", 5, ("a",)])
+def test_non_dict_is_rejected(params: object) -> None:
+    with pytest.raises(ParamsError) as e:
+        parse(params)
+    assert "kv_transfer_params must be a JSON object" in str(e.value)
+    assert type(params).__name__ in str(e.value)
+
+
+def test_both_flags() -> None:
+    with pytest.raises(ParamsError) as e:
+        parse({"do_remote_decode": True, "do_remote_prefill": True, "transfer_id": "t"})
+    assert "do_remote_decode" in str(e.value) and "do_remote_prefill" in str(e.value)
+
+
+@pytest.mark.parametrize("flag", ["do_remote_decode", "do_remote_prefill"])
+@pytest.mark.parametrize("tid", [None, "", 17, ["t"]])
+def test_bad_or_missing_transfer_id(flag: str, tid: object) -> None:
+    params = {**DECODE, "do_remote_prefill": False, flag: True}
+    if tid is None:
+        params.pop("transfer_id")
+    else:
+        params["transfer_id"] = tid
+    with pytest.raises(ParamsError) as e:
+        parse(params)
+    assert "kv_transfer_params.transfer_id" in str(e.value)
+
+
+@pytest.mark.parametrize("host", [None, "", 10, ["h"]])
+def test_bad_remote_host(host: object) -> None:
+    params = dict(DECODE)
+    if host is None:
+        params.pop("remote_host")
+    else:
+        params["remote_host"] = host
+    with pytest.raises(ParamsError) as e:
+        parse(params)
+    assert "kv_transfer_params.remote_host" in str(e.value)
+
+
+@pytest.mark.parametrize("port", [None, 0, -1, 65536, "abc", "", "70000", 7000.0, True, [7000]])
+def test_bad_remote_port(port: object) -> None:
+    params = dict(DECODE)
+    if port is None:
+        params.pop("remote_port")
+    else:
+        params["remote_port"] = port
+    with pytest.raises(ParamsError) as e:
+        parse(params)
+    assert "kv_transfer_params.remote_port" in str(e.value)
+    assert "1-65535" in str(e.value)
+
+
+def test_error_message_truncates_huge_values() -> None:
+    with pytest.raises(ParamsError) as e:
+        parse({"do_remote_decode": True, "transfer_id": "y" * 10_000})
+    assert len(str(e.value)) < 400
+
+
+def test_params_error_is_value_error() -> None:
+    assert issubclass(ParamsError, ValueError)

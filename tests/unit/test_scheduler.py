@@ -1,0 +1,515 @@
+"""The scheduler half, driven through real vLLM ``Scheduler`` instances (vLLM builds the LayerKV
+scheduler connector itself), with real LayerKV worker connectors on CPU KV tensors moving the
+bytes, and registration over real loopback sockets. See vllm_objects.py for the harness.
+
+Every scenario ends with both schedulers holding no requests and every block free."""
+
+from __future__ import annotations
+
+import queue
+import time
+
+import pytest
+import torch
+from vllm.v1.engine import FinishReason
+from vllm.v1.request import RequestStatus
+from vllm_objects import (
+    BLOCK_SIZE,
+    LAYER_NAMES,
+    NUM_LAYERS,
+    Engine,
+    assert_connector_empty,
+    assert_scheduler_empty,
+    create_request,
+    kv_value,
+    salt,
+)
+
+from vllm_layerkv.metadata import Peer, RecvTask, SendTask
+from vllm_layerkv.protocol import Cancel, Register, RegisterAck
+from vllm_layerkv.registrar import RegistrationServer
+
+P_EXTRA = {"min_prompt_tokens": 32, "registration_wait_s": 5.0, "group_size": 3}
+CHUNK = 56  # max_num_batched_tokens on P: chunks end inside a block (56 = 3.5 blocks)
+
+
+@pytest.fixture
+def engines():
+    made: list[Engine] = []
+
+    def make(role: str, extra: dict | None = None, **kw) -> Engine:
+        e = Engine.create(role, extra, **kw)
+        made.append(e)
+        return e
+
+    yield make
+    for e in made:
+        e.shutdown()
+
+
+@pytest.fixture
+def fake_prefill():
+    """A real RegistrationServer that records what a decode scheduler sends to 'P'."""
+    servers = []
+
+    def make() -> tuple[RegistrationServer, queue.SimpleQueue]:
+        got: queue.SimpleQueue = queue.SimpleQueue()
+
+        def on_register(reg: Register) -> RegisterAck:
+            got.put(reg)
+            return RegisterAck(transfer_id=reg.transfer_id, tp_size=1)
+
+        server = RegistrationServer("127.0.0.1", 0, on_register, got.put)
+        servers.append(server)
+        return server, got
+
+    yield make
+    for s in servers:
+        s.close()
+
+
+def decode_params(tid: str, endpoint: str) -> dict:
+    host, port = endpoint.rsplit(":", 1)
+    return {"do_remote_prefill": True, "transfer_id": tid, "remote_host": host,
+            "remote_port": int(port)}
+
+
+def shift_block_ids(engine: Engine, num_tokens: int = 80) -> None:
+    """Run a local request first so that this engine's next block ids differ from the
+    other side's (otherwise src == dst would hide a mix-up)."""
+    req = create_request(num_tokens, None, max_tokens=1)
+    engine.scheduler.add_request(req)
+    engine.run_until(lambda: req.request_id in engine.finished)
+    engine.run_until(engine.idle)
+    for t in engine.kv.values():  # forget what that request's forward wrote
+        t.fill_(-1)
+
+
+def sends_of(engine: Engine) -> list[SendTask]:
+    return [t for rec in engine.history for t in rec.meta.sends]
+
+
+def reported(engine: Engine, attr: str, req_id: str) -> int:
+    return sum(req_id in (getattr(rec.kv_output, attr) or ()) for rec in engine.history)
+
+
+def assert_kv_arrived(d: Engine, rd, d_blocks: list[int]) -> None:
+    """D's rows for every prompt token of ``rd`` hold exactly what P's forward computed for
+    that prompt; blocks that are not the request's still hold D's fill value."""
+    num_tokens = rd.num_prompt_tokens
+    for layer in range(NUM_LAYERS):
+        rows = d.token_rows(layer, d_blocks, num_tokens)
+        want = torch.tensor([kv_value(t, layer, salt(rd)) for t in range(num_tokens)])
+        assert torch.equal(rows[:, 0, 0], want), f"layer {layer}"
+        assert torch.equal(rows, want[:, None, None].expand_as(rows)), f"layer {layer}"
+        other = [b for b in range(d.kv_cache_config.num_blocks) if b not in d_blocks]
+        assert (d.kv[LAYER_NAMES[layer]][other] == -1).all()
+
+
+def run_both_until_idle(p: Engine, d: Engine, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not (p.idle() and d.idle()):
+        assert time.monotonic() < deadline, (list(p.scheduler.requests),
+                                             list(d.scheduler.requests))
+        p.step()
+        d.step()
+        time.sleep(0.001)
+    # and a few more steps: nothing comes back to life
+    for _ in range(3):
+        p.step()
+        d.step()
+    assert_scheduler_empty(p.scheduler)
+    assert_scheduler_empty(d.scheduler)
+    assert_connector_empty(p)
+    assert_connector_empty(d)
+
+
+def assert_all_empty(*engines: Engine) -> None:
+    for e in engines:
+        e.step()
+        assert_scheduler_empty(e.scheduler)
+        assert_connector_empty(e)
+
+
+# ----------------------------------------------------------------------------- discovery
+
+
+def test_discovery_returns_the_registration_endpoint(engines) -> None:
+    p = engines("kv_producer")
+    endpoint = p.endpoint
+    host, port = endpoint.rsplit(":", 1)
+    assert host == "127.0.0.1" and 0 < int(port) < 65536
+    import socket
+    socket.create_connection((host, int(port)), timeout=2).close()  # it is listening
+    assert_all_empty(p)
+
+
+# ----------------------------------------------------------------------------- happy path
+
+
+def test_streamed_prefill_to_decode(engines) -> None:
+    p = engines("kv_producer", P_EXTRA, max_num_batched_tokens=CHUNK)
+    d = engines("kv_consumer")
+    endpoint = p.endpoint
+    shift_block_ids(d)
+    prompt = 150  # 10 blocks: chunks of 56, 56, 38 tokens
+
+    rd = create_request(prompt, decode_params("t1", endpoint), max_tokens=3, seed=5)
+    d.scheduler.add_request(rd)
+    rec = d.step()
+    # D parks the request with blocks for the whole prompt and tells its worker what to expect
+    assert rd.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    d_blocks = d.block_ids(rd.request_id)
+    assert len(d_blocks) == 10
+    assert rec.meta.recvs == [RecvTask(rd.request_id, "t1", d_blocks)]
+    assert rec.num_scheduled == {}
+
+    rp = create_request(prompt, {"do_remote_decode": True, "transfer_id": "t1"}, seed=5)
+    p.scheduler.add_request(rp)
+    p.run_until(lambda: rp.request_id in p.finished, others=(d,))
+    p_blocks = p.block_ids(rp.request_id)
+    assert len(p_blocks) == 10 and p_blocks != d_blocks
+
+    # the Register reached P: one SendTask per chunk, P's blocks -> D's blocks, re-sending the
+    # block each chunk ended in
+    steps = [r for r in p.history if rp.request_id in r.num_scheduled]
+    assert [r.num_scheduled[rp.request_id] for r in steps] == [56, 56, 38]
+    assert [len(r.meta.sends) for r in steps] == [1, 1, 1]
+    tasks = [r.meta.sends[0] for r in steps]
+    for task, (lo, hi) in zip(tasks, [(0, 4), (3, 7), (7, 10)]):
+        assert task.req_id == rp.request_id and task.transfer_id == "t1"
+        assert task.src_blocks == p_blocks[lo:hi]
+        assert task.dst_blocks == d_blocks[lo:hi]
+        assert task.streamed is True
+        assert task.peer.data_endpoints == [d.worker.get_handshake_metadata().data_endpoint]
+    assert [t.final for t in tasks] == [False, False, True]
+    assert [t.new_tokens for t in tasks] == [56, 56, 38]
+
+    # P finished: it returns its params and keeps the blocks until the transfer is acked
+    out = p.finished[rp.request_id]
+    assert out.finish_reason == FinishReason.LENGTH
+    assert out.kv_transfer_params == {"transfer_id": "t1", "layerkv_endpoint": endpoint}
+    assert rp.request_id in p.scheduler.requests
+    assert p.num_free_blocks() <= p.kv_cache_config.num_blocks - 1 - 10
+    assert reported(p, "finished_sending", rp.request_id) == 0
+
+    d.run_until(lambda: reported(d, "finished_recving", rd.request_id) == 1, others=(p,))
+    assert reported(d, "failed_recving", rd.request_id) == 0
+    assert_kv_arrived(d, rd, d_blocks)
+
+    run_both_until_idle(p, d)
+    assert reported(p, "finished_sending", rp.request_id) == 1
+    assert sum(rp.request_id == r for rec in p.history for r, _ in rec.meta.releases) == 1
+    assert reported(d, "finished_recving", rd.request_id) == 1
+    out = d.finished[rd.request_id]
+    assert out.finish_reason == FinishReason.LENGTH and rd.num_output_tokens == 3
+    assert len(sends_of(p)) == 3  # nothing sent after the final chunk
+
+
+def test_short_prompt_goes_whole_at_the_end_of_the_step(engines) -> None:
+    # default min_prompt_tokens=256: a 40-token prompt is not layer-streamed
+    p = engines("kv_producer", {"registration_wait_s": 5.0})
+    d = engines("kv_consumer")
+    endpoint = p.endpoint
+    shift_block_ids(d, 48)
+    rd = create_request(40, decode_params("short", endpoint), max_tokens=2, seed=9)
+    d.scheduler.add_request(rd)
+    d.step()
+    d_blocks = d.block_ids(rd.request_id)
+    rp = create_request(40, {"do_remote_decode": True, "transfer_id": "short"}, seed=9)
+    p.scheduler.add_request(rp)
+    p.run_until(lambda: rp.request_id in p.finished, others=(d,))
+    (task,) = sends_of(p)
+    assert task.streamed is False and task.final is True and task.new_tokens == 40
+    assert task.src_blocks == p.block_ids(rp.request_id) and task.dst_blocks == d_blocks
+    d.run_until(lambda: reported(d, "finished_recving", rd.request_id) == 1, others=(p,))
+    assert_kv_arrived(d, rd, d_blocks)
+    run_both_until_idle(p, d)
+
+
+def test_registration_after_prefill_finished_is_flushed(engines) -> None:
+    p = engines("kv_producer", {"registration_wait_s": 0}, max_num_batched_tokens=64)
+    d = engines("kv_consumer")
+    endpoint = p.endpoint
+    rp = create_request(100, {"do_remote_decode": True, "transfer_id": "late"}, seed=3)
+    p.scheduler.add_request(rp)
+    p.run_until(lambda: rp.request_id in p.finished)
+    assert sends_of(p) == []
+    for _ in range(3):  # P holds the blocks while it waits for the registration
+        p.step()
+    assert rp.request_id in p.scheduler.requests
+    assert reported(p, "finished_sending", rp.request_id) == 0
+
+    shift_block_ids(d)
+    rd = create_request(100, decode_params("late", endpoint), max_tokens=1, seed=3)
+    d.scheduler.add_request(rd)
+    d.step()
+    d_blocks = d.block_ids(rd.request_id)
+    p.run_until(lambda: any(rec.meta.flushes for rec in p.history), others=(d,))
+    flushes = [t for rec in p.history for t in rec.meta.flushes]
+    assert len(flushes) == 1
+    (flush,) = flushes
+    assert flush.final and not flush.streamed
+    assert flush.dst_blocks == d_blocks and len(flush.src_blocks) == 7
+    d.run_until(lambda: reported(d, "finished_recving", rd.request_id) == 1, others=(p,))
+    assert_kv_arrived(d, rd, d_blocks)
+    run_both_until_idle(p, d)
+    assert reported(p, "finished_sending", rp.request_id) == 1
+
+
+# ----------------------------------------------------------------------------- decode failures
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_decode_timeout_fails_the_request_and_cancels(engines, fake_prefill, policy) -> None:
+    server, got = fake_prefill()
+    d = engines("kv_consumer", {"kv_wait_timeout_s": 0.3}, kv_load_failure_policy=policy)
+    rd = create_request(40, decode_params("slow", server.endpoint), max_tokens=2)
+    d.scheduler.add_request(rd)
+    d.step()
+    assert rd.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    reg = got.get(timeout=5)
+    assert isinstance(reg, Register) and reg.transfer_id == "slow"
+    assert reg.block_ids == d.block_ids(rd.request_id) and reg.num_tokens == 40
+    assert reg.start_token == 0 and reg.tp_size == 1
+
+    time.sleep(0.35)
+    rec = d.step()
+    assert len(rec.meta.recv_closes) == 1
+    close = rec.meta.recv_closes[0]
+    assert (close.req_id, close.transfer_id, close.failed) == (rd.request_id, "slow", True)
+    assert "kv_wait_timeout_s" in close.reason
+    # the worker closed the transfer in bind and reported it in the same step
+    assert rd.request_id in rec.kv_output.failed_recving
+    assert rd.request_id in rec.kv_output.finished_recving
+    cancel = got.get(timeout=5)
+    assert isinstance(cancel, Cancel) and cancel.transfer_id == "slow"
+    assert "kv_wait_timeout_s" in cancel.reason
+
+    d.run_until(d.idle)
+    if policy == "fail":
+        assert d.finished[rd.request_id].finish_reason == FinishReason.ERROR
+        assert rd.num_output_tokens == 0
+    else:  # recomputed locally
+        assert d.finished[rd.request_id].finish_reason == FinishReason.LENGTH
+        assert rd.num_output_tokens == 2
+    for _ in range(3):
+        d.step()
+    assert_all_empty(d)
+    assert reported(d, "failed_recving", rd.request_id) == 1
+
+
+def test_decode_abort_while_waiting_cancels_at_prefill(engines, fake_prefill) -> None:
+    server, got = fake_prefill()
+    d = engines("kv_consumer")
+    rd = create_request(40, decode_params("gone", server.endpoint), max_tokens=2)
+    d.scheduler.add_request(rd)
+    d.step()
+    assert isinstance(got.get(timeout=5), Register)
+    d.scheduler.finish_requests(rd.request_id, RequestStatus.FINISHED_ABORTED)
+    cancel = got.get(timeout=5)
+    assert cancel == Cancel(transfer_id="gone", reason="decode request aborted")
+    # vLLM keeps D's blocks until the worker confirms no write into them can happen any more
+    assert rd.request_id in d.scheduler.requests
+    rec = d.step()
+    assert [(c.req_id, c.failed) for c in rec.meta.recv_closes] == [(rd.request_id, False)]
+    assert rec.kv_output.finished_recving == {rd.request_id}
+    assert not rec.kv_output.failed_recving
+    assert_all_empty(d)
+
+
+def test_decode_abort_mid_stream_stops_the_prefill_sends(engines) -> None:
+    p = engines("kv_producer", P_EXTRA, max_num_batched_tokens=CHUNK)
+    d = engines("kv_consumer")
+    endpoint = p.endpoint
+    rd = create_request(150, decode_params("cut", endpoint), max_tokens=2, seed=4)
+    d.scheduler.add_request(rd)
+    d.step()
+    rp = create_request(150, {"do_remote_decode": True, "transfer_id": "cut"}, seed=4)
+    p.scheduler.add_request(rp)
+    p.run_until(lambda: len(sends_of(p)) == 1, others=(d,))
+    d.scheduler.finish_requests(rd.request_id, RequestStatus.FINISHED_ABORTED)
+    p.run_until(lambda: any(rec.meta.aborts for rec in p.history), others=(d,))
+    aborts = [a for rec in p.history for a in rec.meta.aborts]
+    assert len(aborts) == 1
+    tid, reason, peer = aborts[0]
+    assert tid == "cut" and "cancelled by decode" in reason
+    assert isinstance(peer, Peer) and peer.data_endpoints == [
+        d.worker.get_handshake_metadata().data_endpoint]
+    n_sends = len(sends_of(p))
+    p.run_until(lambda: rp.request_id in p.finished, others=(d,))
+    assert len(sends_of(p)) == n_sends  # P plans nothing more for the cancelled transfer
+    assert p.finished[rp.request_id].finish_reason == FinishReason.LENGTH
+    run_both_until_idle(p, d)
+    assert rd.request_id not in d.finished or \
+        d.finished[rd.request_id].finish_reason == FinishReason.ABORT
+
+
+def test_prefill_abort_while_streaming_fails_decode(engines) -> None:
+    p = engines("kv_producer", P_EXTRA, max_num_batched_tokens=CHUNK)
+    d = engines("kv_consumer")
+    endpoint = p.endpoint
+    rd = create_request(150, decode_params("pa", endpoint), max_tokens=2, seed=6)
+    d.scheduler.add_request(rd)
+    d.step()
+    rp = create_request(150, {"do_remote_decode": True, "transfer_id": "pa"}, seed=6)
+    p.scheduler.add_request(rp)
+    p.run_until(lambda: len(sends_of(p)) == 1, others=(d,))
+    p.scheduler.finish_requests(rp.request_id, RequestStatus.FINISHED_ABORTED)
+    # P keeps the blocks (a send may still read them) and tells its worker to abort
+    assert rp.request_id in p.scheduler.requests
+    rec = p.step()
+    assert len(rec.meta.aborts) == 1
+    tid, reason, peer = rec.meta.aborts[0]
+    assert tid == "pa" and "aborted" in reason
+    assert peer.data_endpoints == [d.worker.get_handshake_metadata().data_endpoint]
+    assert rec.meta.releases == [(rp.request_id, "pa")]
+    d.run_until(lambda: rd.request_id in d.finished, others=(p,))
+    assert d.finished[rd.request_id].finish_reason == FinishReason.ERROR
+    assert reported(d, "failed_recving", rd.request_id) == 1
+    run_both_until_idle(p, d)
+    assert reported(p, "finished_sending", rp.request_id) == 1
+    assert len(sends_of(p)) == 1
+
+
+def test_registration_refused_on_mismatch(engines) -> None:
+    p = engines("kv_producer")
+    d = engines("kv_consumer", dtype=torch.float16)  # KV cache dtype differs from P's
+    endpoint = p.endpoint
+    rd = create_request(40, decode_params("mm", endpoint), max_tokens=2)
+    d.scheduler.add_request(rd)
+    d.run_until(lambda: rd.request_id in d.finished, others=(p,))
+    closes = [c for rec in d.history for c in rec.meta.recv_closes]
+    assert len(closes) == 1 and closes[0].failed
+    # P's refusal, as P sees it (P's value first), names every differing field
+    assert "dtype: 'float32' != 'float16'" in closes[0].reason
+    assert "block_bytes: 16384 != 8192" in closes[0].reason
+    assert d.finished[rd.request_id].finish_reason == FinishReason.ERROR
+    run_both_until_idle(p, d)
+
+
+def test_unreachable_prefill_fails_the_request(engines) -> None:
+    import socket
+    with socket.socket() as s:  # bound but not listening: connection refused
+        s.bind(("127.0.0.1", 0))
+        endpoint = f"127.0.0.1:{s.getsockname()[1]}"
+        d = engines("kv_consumer")
+        rd = create_request(40, decode_params("nowhere", endpoint), max_tokens=2)
+        d.scheduler.add_request(rd)
+        d.run_until(lambda: rd.request_id in d.finished)
+    (close,) = [c for rec in d.history for c in rec.meta.recv_closes]
+    assert close.failed and f"cannot reach the prefill instance at {endpoint}" in close.reason
+    assert d.finished[rd.request_id].finish_reason == FinishReason.ERROR
+    assert_all_empty(d)
+
+
+# ----------------------------------------------------------------------------- bad params
+
+
+@pytest.mark.parametrize("role,params,field", [
+    ("kv_producer", {"do_remote_decode": True}, "transfer_id"),
+    ("kv_producer", {"do_remote_decode": True, "do_remote_prefill": True, "transfer_id": "x"},
+     "do_remote_prefill"),
+    ("kv_producer", {"do_remote_prefill": True, "transfer_id": "x", "remote_host": "h",
+                     "remote_port": 1}, "kv_producer"),
+    ("kv_consumer", {"do_remote_prefill": True, "transfer_id": "x", "remote_host": "h",
+                     "remote_port": "http"}, "remote_port"),
+    ("kv_consumer", {"do_remote_prefill": True, "transfer_id": "x", "remote_port": 80},
+     "remote_host"),
+    ("kv_consumer", {"do_remote_decode": True, "transfer_id": "x"}, "kv_consumer"),
+])
+def test_malformed_params_are_served_locally(engines, role, params, field) -> None:
+    e = engines(role)
+    req = create_request(40, params, max_tokens=2)
+    e.scheduler.add_request(req)
+    e.step()
+    assert req.status == RequestStatus.RUNNING  # not parked, not deferred
+    e.run_until(lambda: req.request_id in e.finished)
+    out = e.finished[req.request_id]
+    assert out.finish_reason == FinishReason.LENGTH and req.num_output_tokens == 2
+    assert set(out.kv_transfer_params) == {"layerkv_error"}
+    assert field in out.kv_transfer_params["layerkv_error"]
+    assert not any(rec.meta.sends or rec.meta.recvs for rec in e.history)
+    assert_all_empty(e)
+
+
+def test_plain_request_has_no_params(engines) -> None:
+    e = engines("kv_producer")
+    req = create_request(20, None, max_tokens=1)
+    e.scheduler.add_request(req)
+    e.run_until(e.idle)
+    assert e.finished[req.request_id].kv_transfer_params is None
+    assert_all_empty(e)
+
+
+def test_block_size_in_compat_is_the_schedulers(engines) -> None:
+    p = engines("kv_producer")
+    assert p.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size == BLOCK_SIZE
+
+
+def test_decode_prefix_cache_hit_receives_only_the_tail(engines) -> None:
+    p = engines("kv_producer", P_EXTRA, max_num_batched_tokens=CHUNK)
+    d = engines("kv_consumer")
+    endpoint = p.endpoint
+    shift_block_ids(d)
+    for tid in ("first", "second"):  # the same 150-token prompt twice
+        rd = create_request(150, decode_params(tid, endpoint), max_tokens=1, seed=8)
+        d.scheduler.add_request(rd)
+        d.step()
+        d_blocks = d.block_ids(rd.request_id)
+        rp = create_request(150, {"do_remote_decode": True, "transfer_id": tid}, seed=8)
+        p.scheduler.add_request(rp)
+        d.run_until(lambda: reported(d, "finished_recving", rd.request_id) == 1, others=(p,))
+        assert_kv_arrived(d, rd, d_blocks)
+        run_both_until_idle(p, d)
+    first, second = [[t for t in sends_of(p) if t.transfer_id == tid]
+                     for tid in ("first", "second")]
+    assert [len(t.src_blocks) for t in first] == [4, 4, 3]
+    # D had 9 full blocks (144 tokens) cached: P sends only block 9, never D's cached blocks
+    (tail,) = second
+    assert tail.new_tokens == 6 and tail.final
+    assert len(tail.src_blocks) == 1 and tail.dst_blocks == d_blocks[9:10]
+
+
+def test_duplicate_transfer_id_is_served_locally(engines) -> None:
+    p = engines("kv_producer", {"registration_wait_s": 0, "registration_timeout_s": 0.3},
+                max_num_batched_tokens=256)
+    r1 = create_request(40, {"do_remote_decode": True, "transfer_id": "dup"}, seed=1)
+    r2 = create_request(40, {"do_remote_decode": True, "transfer_id": "dup"}, seed=2)
+    p.scheduler.add_request(r1)
+    p.scheduler.add_request(r2)
+    p.run_until(lambda: r1.request_id in p.finished and r2.request_id in p.finished)
+    assert set(p.finished[r1.request_id].kv_transfer_params) == {"transfer_id",
+                                                                 "layerkv_endpoint"}
+    err = p.finished[r2.request_id].kv_transfer_params["layerkv_error"]
+    assert "transfer_id 'dup' is already in use" in err
+    # r1 holds its blocks for a decode registration; r2 was freed at once
+    assert r1.request_id in p.scheduler.requests and r2.request_id not in p.scheduler.requests
+    p.run_until(p.idle)  # registration_timeout_s: P gives up on r1
+    assert_all_empty(p)
+
+
+def test_registration_racing_the_hold_expiry_is_not_lost(engines) -> None:
+    p = engines("kv_producer", {"registration_wait_s": 0, "registration_timeout_s": 0.2})
+    d = engines("kv_consumer", {"kv_wait_timeout_s": 60})
+    endpoint = p.endpoint
+    rp = create_request(40, {"do_remote_decode": True, "transfer_id": "race"}, seed=2)
+    p.scheduler.add_request(rp)
+    p.run_until(lambda: rp.request_id in p.finished)
+    time.sleep(0.25)
+    so = p.scheduler.schedule()  # P gives up: the release goes to its worker this step
+    assert so.kv_connector_metadata.releases == [(rp.request_id, "race")]
+    # ... and while that step's forward runs, D's registration arrives and is acknowledged
+    rd = create_request(40, decode_params("race", endpoint), max_tokens=2, seed=2)
+    d.scheduler.add_request(rd)
+    d.step()
+    incoming = p.connector._scheduler._prefill._incoming
+    deadline = time.monotonic() + 5
+    while incoming.empty():
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    p.execute(so)  # finished_sending: P frees the blocks and forgets the transfer
+    assert p.idle()
+    # D must learn that no KV will come (refusal or abort), not wait kv_wait_timeout_s
+    d.run_until(lambda: rd.request_id in d.finished, others=(p,), timeout=5)
+    assert d.finished[rd.request_id].finish_reason == FinishReason.ERROR
