@@ -149,10 +149,12 @@ class PrefillScheduler:
         meta.aborts += pending.aborts
         if not self._by_req:
             return
-        for req_id, computed, new_blocks, resumed in _scheduled(scheduler_output):
+        for req_id, computed, new_blocks, resumed, is_new in _scheduled(scheduler_output):
             p = self._by_req.get(req_id)
             if p is None or p.finished:
                 continue
+            if is_new and p.block_ids:
+                resumed = True  # Model Runner V2 lists resumed requests as new ones
             if resumed:  # preempted and back: blocks were freed, possibly mid-send
                 p.block_ids = []
                 if p.reg is not None:
@@ -322,11 +324,12 @@ class PrefillScheduler:
 
 
 def _scheduled(so: Any):
-    """(req_id, num_computed_tokens before this step, new block ids or None, resumed) for every
-    request scheduled this step."""
+    """(req_id, num_computed_tokens before this step, new block ids or None, resumed, is_new)
+    for every request scheduled this step. A new request's block ids are its whole table."""
     for r in so.scheduled_new_reqs:
-        yield r.req_id, r.num_computed_tokens, r.block_ids, False
+        yield r.req_id, r.num_computed_tokens, r.block_ids, False, True
     cached = so.scheduled_cached_reqs
     resumed = getattr(cached, "resumed_req_ids", set()) or set()
     for i, req_id in enumerate(cached.req_ids):
-        yield req_id, cached.num_computed_tokens[i], cached.new_block_ids[i], req_id in resumed
+        yield (req_id, cached.num_computed_tokens[i], cached.new_block_ids[i],
+               req_id in resumed, False)

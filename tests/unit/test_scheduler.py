@@ -85,6 +85,15 @@ def shift_block_ids(engine: Engine, num_tokens: int = 80) -> None:
         t.fill_(-1)
 
 
+def wait_registration_arrived(p: Engine, timeout: float = 5.0) -> None:
+    """Until D's Register is queued in P's scheduler (peeks at private state)."""
+    incoming = p.connector._scheduler._prefill._incoming
+    deadline = time.monotonic() + timeout
+    while incoming.empty():
+        assert time.monotonic() < deadline, "registration did not reach P"
+        time.sleep(0.005)
+
+
 def sends_of(engine: Engine) -> list[SendTask]:
     return [t for rec in engine.history for t in rec.meta.sends]
 
@@ -503,13 +512,63 @@ def test_registration_racing_the_hold_expiry_is_not_lost(engines) -> None:
     rd = create_request(40, decode_params("race", endpoint), max_tokens=2, seed=2)
     d.scheduler.add_request(rd)
     d.step()
-    incoming = p.connector._scheduler._prefill._incoming
-    deadline = time.monotonic() + 5
-    while incoming.empty():
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
+    wait_registration_arrived(p)
     p.execute(so)  # finished_sending: P frees the blocks and forgets the transfer
     assert p.idle()
     # D must learn that no KV will come (refusal or abort), not wait kv_wait_timeout_s
     d.run_until(lambda: rd.request_id in d.finished, others=(p,), timeout=5)
     assert d.finished[rd.request_id].finish_reason == FinishReason.ERROR
+
+
+@pytest.mark.parametrize("runner", [
+    "v1",
+    "v2",  # MRv2 lists a resumed request among the new ones
+])
+def test_prefill_preempted_mid_stream_resends_from_its_new_blocks(engines, runner) -> None:
+    # 11 usable blocks on P: the prompt needs 10, a local request growing alongside it
+    # forces vLLM to preempt the prefill (the later request) and resume it afterwards
+    p = engines("kv_producer", P_EXTRA, max_num_batched_tokens=CHUNK, num_blocks=12)
+    # The MRv2 scheduler output shape; vLLM cannot build an MRv2 config without Triton
+    p.scheduler.use_v2_model_runner = runner == "v2"
+    d = engines("kv_consumer")
+    endpoint = p.endpoint
+    rd = create_request(150, decode_params("pre", endpoint), max_tokens=2, seed=5)
+    d.scheduler.add_request(rd)
+    d.step()
+    d_blocks = d.block_ids(rd.request_id)
+    wait_registration_arrived(p)  # so P's block schedule (and the preemption) is deterministic
+    local = create_request(16, None, max_tokens=60, seed=11)
+    rp = create_request(150, {"do_remote_decode": True, "transfer_id": "pre"}, seed=5)
+    assert salt(local) != salt(rp)
+    p.scheduler.add_request(local)
+    p.scheduler.add_request(rp)
+    p.run_until(lambda: rp.request_id in p.finished, others=(d,), timeout=30)
+    assert rp.num_preemptions == 1  # the scenario really happened
+    final = sends_of(p)[-1]
+    lo = 10 - len(final.src_blocks)
+    assert final.final and final.src_blocks == p.block_ids(rp.request_id)[lo:]
+    assert final.dst_blocks == d_blocks[lo:]
+    d.run_until(lambda: reported(d, "finished_recving", rd.request_id) == 1, others=(p,))
+    assert_kv_arrived(d, rd, d_blocks)
+    run_both_until_idle(p, d)
+
+
+def test_prefill_aborted_while_deferred_fails_decode_at_once(engines) -> None:
+    p = engines("kv_producer", {"registration_wait_s": 30})
+    d = engines("kv_consumer", {"kv_wait_timeout_s": 60})
+    endpoint = p.endpoint
+    rp = create_request(40, {"do_remote_decode": True, "transfer_id": "def"}, seed=3)
+    p.scheduler.add_request(rp)
+    for _ in range(3):
+        assert p.step().num_scheduled == {}  # deferred: waiting for D's registration
+    rd = create_request(40, decode_params("def", endpoint), max_tokens=2, seed=3)
+    d.scheduler.add_request(rd)
+    d.step()
+    wait_registration_arrived(p)
+    p.scheduler.finish_requests(rp.request_id, RequestStatus.FINISHED_ABORTED)
+    t0 = time.monotonic()
+    d.run_until(lambda: rd.request_id in d.finished, others=(p,), timeout=10)
+    assert time.monotonic() - t0 < 5  # told through its data endpoint, not kv_wait_timeout_s
+    assert d.finished[rd.request_id].finish_reason == FinishReason.ERROR
+    run_both_until_idle(p, d)
+    assert sends_of(p) == []
