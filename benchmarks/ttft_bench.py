@@ -11,7 +11,8 @@ Configurations (``--configs``):
   single       one instance (GPU 0 / CPU cores 0-1)
   nixl         NixlConnector P (GPU 0) + D (GPU 1), sequential pull proxy (benchmarks/nixl_proxy.py)
   nixl-tcp     same with UCX_TLS=tcp,cuda_copy,self (no GPU-direct)
-  layerkv      LayerKV P + D behind the project's proxy
+  layerkv      LayerKV P + D behind the project's proxy (transport auto: CUDA IPC on one host)
+  layerkv-tcp  same with transport=tcp (KV through pinned host memory and a TCP socket)
 
 GPU (lent H200s, see ../shared/gpu/README.md):
   python3 benchmarks/ttft_bench.py --device cuda --model $HOME/stage/core/models/llama8b \
@@ -95,15 +96,18 @@ def start_config(name: str, args: argparse.Namespace, out: Path) -> tuple[str, l
                      f"http://127.0.0.1:{port}")
         proxy.wait_ready()
         return proxy.url, [p, d], [proxy]
-    if name == "layerkv":
+    if name in ("layerkv", "layerkv-tcp"):
+        transport = {"transport": "tcp"} if name == "layerkv-tcp" else {}
         p_extra: dict[str, Any] = {"trace_path": str(cdir / "trace")} if args.trace else {}
         if args.device == "cuda":
             p_extra["piecewise_cudagraph"] = True
         # module path too: works even where the package's entry point is not installed
         lkv = {"kv_connector": "LayerKV", "kv_connector_module_path": "vllm_layerkv"}
         p = server(args, "prefill", cdir, {**lkv, "kv_role": "kv_producer",
-                                           "kv_connector_extra_config": p_extra}, slot=0)
-        d = server(args, "decode", cdir, {**lkv, "kv_role": "kv_consumer"}, slot=1)
+                                           "kv_connector_extra_config": {**p_extra, **transport}},
+                   slot=0)
+        d = server(args, "decode", cdir, {**lkv, "kv_role": "kv_consumer",
+                                          "kv_connector_extra_config": transport}, slot=1)
         start_all([p, d], timeout=args.start_timeout)
         port = free_port()
         proxy = HelperProcess([sys.executable, "-m", "vllm_layerkv.cli", "proxy", "--prefill", p.url,

@@ -77,8 +77,10 @@ class StagedBlockIO(BlockIO):
 
     def __init__(self, layout: KVLayout):
         self._layout = layout
-        self._blocks = [t.view(torch.uint8).view(layout.num_blocks, layout.block_bytes)
-                        for t in layout.tensors]
+        self.device_blocks = [t.view(torch.uint8).view(layout.num_blocks, layout.block_bytes)
+                              for t in layout.tensors]
+        """Per layer, the KV as a ``[num_blocks, block_bytes]`` uint8 device view."""
+        self._blocks = self.device_blocks
         self.block_bytes = layout.block_bytes
         self.num_layers = layout.num_layers
         self._device = layout.device

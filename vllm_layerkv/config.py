@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-TRANSPORTS = ("auto", "tcp")
+TRANSPORTS = ("auto", "tcp", "cuda_ipc")
 
 
 class ConfigError(ValueError):
@@ -33,8 +33,9 @@ class LayerKVConfig:
     """D only: first TCP port of the data listeners; TP rank r listens on data_port + r.
     0 = any free port (published to the scheduler through vLLM's handshake metadata)."""
     transport: str = "auto"
-    """Byte mover: "tcp" (embedded, needs nothing installed) or "auto" (picks the best
-    available; today that is tcp)."""
+    """Byte mover. "auto": TCP, except that P and D on one host with KV on CUDA devices copy
+    device to device through CUDA IPC. "tcp": always bytes over TCP (pinned host staging on
+    GPU). "cuda_ipc": device to device only; a peer that cannot be mapped fails the transfer."""
 
     # --- layer-group streaming -----------------------------------------------------------
     layerwise: bool = True

@@ -7,6 +7,10 @@ Two channels use it:
 * the **data channel**, P worker -> D worker: ``Hello`` (compatibility check) answered by
   ``HelloAck`` / ``Refused``; then ``BlockData`` headers each followed by raw KV bytes,
   ``TransferDone`` / ``TransferAbort``; D answers each finished transfer with ``TransferAck``.
+  When P and D share a host and both keep KV on CUDA devices, ``HelloAck`` carries D's KV as
+  CUDA IPC handles (``KVExport``) and P copies blocks device to device itself: each copy is
+  bracketed by ``DirectWrite`` (P asks) / ``WriteGrant`` (D allows) / ``DirectWritten`` (P is
+  done), so D's bookkeeping guards its blocks exactly as it does for bytes it receives.
 
 Framing: a 4-byte big-endian length, then the msgpack-encoded message (a tagged union, so the
 receiver decodes without knowing the type). ``BlockData`` is followed by ``nbytes`` of payload.
@@ -23,7 +27,7 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 FRAME_HEADER = struct.Struct("!I")
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
@@ -122,10 +126,42 @@ class Hello(msgspec.Struct, tag=True, kw_only=True):
     engine_id: str
     tp_rank: int
     tp_size: int
+    host_id: str = ""
+    """P's host identity (boot id + hostname); D offers device-direct copies only to its own
+    host."""
+    want_direct: bool = False
+    """P keeps KV on a CUDA device and may copy device to device (transport auto/cuda_ipc)."""
+
+
+class IpcTensor(msgspec.Struct, kw_only=True):
+    """One layer's KV as a CUDA IPC memory handle (what torch's ``_share_cuda_`` returns)."""
+
+    handle: bytes
+    storage_size: int
+    storage_offset: int
+    """Bytes from the IPC allocation's base to the storage."""
+    tensor_offset: int
+    """Bytes from the storage to the layer's first block."""
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+
+
+class KVExport(msgspec.Struct, kw_only=True):
+    """D's KV cache, mappable by a process on the same host (``transport/cuda_ipc.py``)."""
+
+    host_id: str
+    device_uuid: str
+    num_blocks: int
+    block_bytes: int
+    layers: list[IpcTensor]
 
 
 class HelloAck(msgspec.Struct, tag=True, kw_only=True):
     tp_rank: int
+    kv_export: KVExport | None = None
+    """D's KV as IPC handles when P asked for it and shares D's host; None: send bytes."""
 
 
 class BlockData(msgspec.Struct, tag=True, kw_only=True):
@@ -136,6 +172,31 @@ class BlockData(msgspec.Struct, tag=True, kw_only=True):
     layers: list[int]
     dst_blocks: list[int]
     block_bytes: int
+    nbytes: int
+
+
+class DirectWrite(msgspec.Struct, tag=True, kw_only=True):
+    """P -> D: P wants to copy ``layers`` x ``dst_blocks`` into D's mapped KV now. Answered by
+    ``WriteGrant``; a grant holds the transfer open on D until ``DirectWritten``."""
+
+    transfer_id: str
+    seq: int
+    layers: list[int]
+    dst_blocks: list[int]
+
+
+class WriteGrant(msgspec.Struct, tag=True, kw_only=True):
+    """D -> P: ok=False means the transfer is closed on D (or unknown): skip the copy."""
+
+    seq: int
+    ok: bool
+
+
+class DirectWritten(msgspec.Struct, tag=True, kw_only=True):
+    """P -> D: the granted copy ``seq`` is complete on the device (nbytes=0: it failed)."""
+
+    transfer_id: str
+    seq: int
     nbytes: int
 
 
@@ -164,8 +225,8 @@ class TransferAck(msgspec.Struct, tag=True, kw_only=True):
 
 
 Message = Union[
-    Register, Cancel, RegisterAck, Refused, Hello, HelloAck, BlockData, TransferDone,
-    TransferAbort, TransferAck,
+    Register, Cancel, RegisterAck, Refused, Hello, HelloAck, BlockData, DirectWrite,
+    WriteGrant, DirectWritten, TransferDone, TransferAbort, TransferAck,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

@@ -23,7 +23,7 @@ from vllm_layerkv.protocol import Hello
 from vllm_layerkv.sender import Sender
 from vllm_layerkv.stats import LayerKVStats, WorkerStats
 from vllm_layerkv.trace import Tracer
-from vllm_layerkv.transport import create_transport
+from vllm_layerkv.transport import Transport, create_transport
 
 logger = logging.getLogger("vllm.layerkv.worker")
 IDLE_WAIT_S = 0.002
@@ -45,7 +45,7 @@ class LayerKVWorker:
         self._compat = compat_info(vllm_config, kv_cache_config)
         self._stats = WorkerStats()
         self._tracer = Tracer(config.trace_path, "p" if is_producer else "d", self._tp_rank)
-        self._transport = create_transport(config.transport)
+        self._transport: Transport | None = None  # made once the KV's device is known
         self._prefill: PrefillWorker | None = None
         self._decode: DecodeWorker | None = None
         self._sender: Sender | None = None
@@ -62,6 +62,7 @@ class LayerKVWorker:
             logger.info("LayerKV: %d distinct KV tensors for %d attention layers (KV sharing)",
                         layout.num_layers, self._compat.num_layers)
         blocks = block_io_for(layout)
+        self._transport = create_transport(self._config.transport, blocks)
         if self._is_producer:
             hello = Hello(compat=self._compat, engine_id=self._engine_id,
                           tp_rank=self._tp_rank, tp_size=self._tp_size)
@@ -127,4 +128,5 @@ class LayerKVWorker:
     def shutdown(self) -> None:
         if self._sender is not None:
             self._sender.shutdown()
-        self._transport.shutdown()
+        if self._transport is not None:
+            self._transport.shutdown()

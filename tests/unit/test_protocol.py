@@ -18,8 +18,12 @@ from vllm_layerkv.protocol import (
     BlockData,
     Cancel,
     CompatInfo,
+    DirectWrite,
+    DirectWritten,
     Hello,
     HelloAck,
+    IpcTensor,
+    KVExport,
     ProtocolError,
     Refused,
     Register,
@@ -27,6 +31,7 @@ from vllm_layerkv.protocol import (
     TransferAbort,
     TransferAck,
     TransferDone,
+    WriteGrant,
     compatibility_error,
     decode,
     encode,
@@ -44,7 +49,17 @@ MESSAGES = [
     RegisterAck(transfer_id="t-1", tp_size=2),
     Refused(transfer_id="t-3", reason="model: 'a' != 'b'"),
     Hello(compat=COMPAT, engine_id="p-engine", tp_rank=1, tp_size=2),
+    Hello(compat=COMPAT, engine_id="p-engine", tp_rank=0, tp_size=1, host_id="h/boot",
+          want_direct=True),
     HelloAck(tp_rank=1),
+    HelloAck(tp_rank=0, kv_export=KVExport(
+        host_id="h/boot", device_uuid="GPU-1234", num_blocks=1000, block_bytes=65536,
+        layers=[IpcTensor(handle=b"\x00\x01" * 32, storage_size=65536000, storage_offset=512,
+                          tensor_offset=0, ref_counter_handle=b"/torch_1_2", ref_counter_offset=3,
+                          event_handle=b"", event_sync_required=False)])),
+    DirectWrite(transfer_id="t-1", seq=7, layers=[4, 5], dst_blocks=[9, 10]),
+    WriteGrant(seq=7, ok=True),
+    DirectWritten(transfer_id="t-1", seq=7, nbytes=2 * 2 * 65536),
     BlockData(transfer_id="t-1", layers=[0, 1, 2], dst_blocks=[5, 6, 9], block_bytes=4096,
               nbytes=3 * 3 * 4096),
     TransferDone(transfer_id="t-1", tp_rank=0, frames=4, nbytes=123456789012),
@@ -66,8 +81,8 @@ def pair():
 
 def test_every_message_type_is_covered() -> None:
     assert {type(m) for m in MESSAGES} == {
-        Register, Cancel, RegisterAck, Refused, Hello, HelloAck, BlockData, TransferDone,
-        TransferAbort, TransferAck}
+        Register, Cancel, RegisterAck, Refused, Hello, HelloAck, BlockData, DirectWrite,
+        WriteGrant, DirectWritten, TransferDone, TransferAbort, TransferAck}
 
 
 @pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
@@ -90,7 +105,8 @@ def test_frame_is_length_prefixed_msgpack() -> None:
     (length,) = struct.unpack("!I", frame[:4])
     assert length == len(frame) - 4
     body = msgspec.msgpack.decode(frame[4:])
-    assert body == {"type": "HelloAck", "tp_rank": 3}  # tagged union: decodable without a type
+    # tagged union: decodable without a type
+    assert body == {"type": "HelloAck", "tp_rank": 3, "kv_export": None}
     assert decode(frame[4:]) == HelloAck(tp_rank=3)
 
 

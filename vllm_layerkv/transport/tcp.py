@@ -8,6 +8,13 @@ into them (GPU); on CPU there is no intermediate buffer on either side, so on lo
 at memory-copy-like rates. One TCP connection per (P rank, D rank) keeps every transfer's frames
 in order, which is what makes re-sending a partially filled block on the next chunk correct.
 
+Same-host GPU peers (``transport`` auto or cuda_ipc, ``cuda_ipc.py``): D answers ``Hello`` with
+its KV as CUDA IPC handles and P copies blocks device to device instead of sending bytes. The
+connection then carries only control: before each copy P asks (``DirectWrite``) and D grants
+(``WriteGrant``) through the same ``ReceiveSink.begin_write`` a byte frame passes, and the grant
+holds the transfer open on D until P reports the copy complete (``DirectWritten``). So D never
+reports a transfer, and vLLM never reuses its blocks, while P may still be writing into them.
+
 Threads: D runs one accept thread and one reader thread per connection; P runs one ack-reader
 thread per connection (the sender thread writes).
 """
@@ -15,23 +22,33 @@ thread per connection (the sender thread writes).
 from __future__ import annotations
 
 import logging
+import queue
 import select
 import socket
 import threading
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import msgspec
 
 from vllm_layerkv.blockio import BlockIO
 from vllm_layerkv.protocol import (
     BlockData,
+    DirectWrite,
+    DirectWritten,
     Hello,
     HelloAck,
     Refused,
     TransferAbort,
     TransferAck,
     TransferDone,
+    WriteGrant,
 )
 from vllm_layerkv.transport import framing
 from vllm_layerkv.transport.base import ReceiveSink, SendChannel, Transport, TransportError
+
+if TYPE_CHECKING:
+    from vllm_layerkv.transport.cuda_ipc import DirectPeering, PeerKV
 
 logger = logging.getLogger("vllm.layerkv.transport.tcp")
 SCRATCH_BYTES = 4 * 1024 * 1024
@@ -39,13 +56,19 @@ SCRATCH_BYTES = 4 * 1024 * 1024
 
 class TcpSendChannel(SendChannel):
     def __init__(self, sock: socket.socket, endpoint: str, blocks: BlockIO,
-                 on_ack: Callable[[TransferAck], None], on_lost: Callable[[str], None]):
+                 on_ack: Callable[[TransferAck], None], on_lost: Callable[[str], None],
+                 peer_kv: PeerKV | None = None, io_timeout: float = 60.0):
         self._sock = sock
         self._endpoint = endpoint
         self._blocks = blocks
         self._on_ack = on_ack
         self._on_lost = on_lost
         self._alive = True
+        self._peer_kv = peer_kv
+        """D's KV mapped into this process: copy device to device instead of sending bytes."""
+        self._io_timeout = io_timeout
+        self._grants: queue.SimpleQueue[WriteGrant | None] = queue.SimpleQueue()
+        self._seq = 0
         self._reader = threading.Thread(
             target=self._read_acks, name=f"layerkv-acks-{endpoint}", daemon=True
         )
@@ -55,10 +78,16 @@ class TcpSendChannel(SendChannel):
     def alive(self) -> bool:
         return self._alive
 
+    @property
+    def direct(self) -> bool:
+        return self._peer_kv is not None
+
     def write_blocks(self, transfer_id: str, layers: Sequence[int], src_blocks: Sequence[int],
                      dst_blocks: Sequence[int]) -> int:
         if len(src_blocks) != len(dst_blocks):
             raise ValueError("src_blocks and dst_blocks differ in length")
+        if self._peer_kv is not None:
+            return self._write_direct(transfer_id, layers, src_blocks, dst_blocks)
         block_bytes = self._blocks.block_bytes
         nbytes = len(layers) * len(src_blocks) * block_bytes
         header = BlockData(transfer_id=transfer_id, layers=list(layers),
@@ -70,6 +99,35 @@ class TcpSendChannel(SendChannel):
         except OSError as e:
             self._fail(f"send to {self._endpoint} failed: {e}")
             raise TransportError(f"send to decode {self._endpoint} failed: {e}") from None
+        return nbytes
+
+    def _write_direct(self, transfer_id: str, layers: Sequence[int], src_blocks: Sequence[int],
+                      dst_blocks: Sequence[int]) -> int:
+        """Ask D for the blocks, copy device to device, report the copy complete."""
+        assert self._peer_kv is not None
+        self._seq += 1
+        seq = self._seq
+        self._send(DirectWrite(transfer_id=transfer_id, seq=seq, layers=list(layers),
+                               dst_blocks=list(dst_blocks)))
+        try:
+            grant = self._grants.get(timeout=self._io_timeout)
+        except queue.Empty:
+            grant = None
+        if grant is None or grant.seq != seq:
+            reason = (f"decode {self._endpoint} did not grant write {seq} within "
+                      f"io_timeout_s={self._io_timeout:.0f}" if grant is None else
+                      f"decode {self._endpoint} granted write {grant.seq}, expected {seq}")
+            self._fail(reason)
+            raise TransportError(reason)
+        if not grant.ok:
+            return 0  # D closed the transfer; it will not be reported as received
+        nbytes = 0
+        try:
+            nbytes = self._peer_kv.copy(layers, src_blocks, dst_blocks)
+        except (RuntimeError, ValueError) as e:
+            raise TransportError(f"device copy to decode {self._endpoint} failed: {e}") from None
+        finally:
+            self._send(DirectWritten(transfer_id=transfer_id, seq=seq, nbytes=nbytes))
         return nbytes
 
     def send_done(self, transfer_id: str, tp_rank: int, frames: int, nbytes: int) -> None:
@@ -87,7 +145,7 @@ class TcpSendChannel(SendChannel):
             pass
         self._sock.close()
 
-    def _send(self, msg: TransferDone | TransferAbort) -> None:
+    def _send(self, msg: TransferDone | TransferAbort | DirectWrite | DirectWritten) -> None:
         try:
             framing.send_message(self._sock, msg)
         except OSError as e:
@@ -104,6 +162,8 @@ class TcpSendChannel(SendChannel):
                 msg = framing.recv_message(self._sock)
                 if isinstance(msg, TransferAck):
                     self._on_ack(msg)
+                elif isinstance(msg, WriteGrant):
+                    self._grants.put(msg)
                 else:
                     logger.warning("unexpected %s from decode %s", type(msg).__name__,
                                    self._endpoint)
@@ -113,13 +173,15 @@ class TcpSendChannel(SendChannel):
     def _fail(self, reason: str) -> None:
         if self._alive:
             self._alive = False
+            self._grants.put(None)  # wake a sender waiting for a grant
             self._on_lost(reason)
 
 
 class TcpTransport(Transport):
-    name = "tcp"
-
-    def __init__(self) -> None:
+    def __init__(self, direct: DirectPeering | None = None) -> None:
+        self._direct = direct
+        """Set when this worker's KV is on CUDA and transport is auto or cuda_ipc."""
+        self.name = "tcp" if direct is None else "tcp+cuda_ipc"
         self._server: socket.socket | None = None
         self._stop = threading.Event()
         self._conns: set[socket.socket] = set()
@@ -129,6 +191,10 @@ class TcpTransport(Transport):
     def open_channel(self, endpoint: str, hello: Hello, blocks: BlockIO,
                      on_ack: Callable[[TransferAck], None], on_lost: Callable[[str], None],
                      timeout: float, io_timeout: float) -> SendChannel:
+        if self._direct is not None:
+            from vllm_layerkv.transport.cuda_ipc import host_id
+
+            hello = msgspec.structs.replace(hello, host_id=host_id(), want_direct=True)
         try:
             sock = framing.connect(endpoint, timeout)
             framing.send_message(sock, hello)
@@ -141,12 +207,38 @@ class TcpTransport(Transport):
         if not isinstance(reply, HelloAck):
             sock.close()
             raise TransportError(f"decode {endpoint} answered {type(reply).__name__} to Hello")
+        peer_kv = self._map_peer(endpoint, reply, sock)
         sock.settimeout(io_timeout)  # a D that stops reading fails the send, not hangs it
-        return TcpSendChannel(sock, endpoint, blocks, on_ack, on_lost)
+        return TcpSendChannel(sock, endpoint, blocks, on_ack, on_lost, peer_kv, io_timeout)
+
+    def _map_peer(self, endpoint: str, reply: HelloAck, sock: socket.socket) -> PeerKV | None:
+        """D's KV mapped for device-direct copies, or None to send bytes."""
+        if self._direct is None:
+            return None
+        from vllm_layerkv.transport.cuda_ipc import DirectUnavailable
+
+        try:
+            if reply.kv_export is None:
+                raise DirectUnavailable("decode did not offer its KV (another host, or its KV "
+                                        "is not on a CUDA device)")
+            peer_kv = self._direct.attach(reply.kv_export)
+        except DirectUnavailable as e:
+            if self._direct.required:
+                sock.close()
+                raise TransportError(
+                    f"transport=cuda_ipc: decode {endpoint}: {e}; use transport=auto to fall "
+                    "back to TCP") from None
+            logger.info("LayerKV: sending KV to decode %s over TCP: %s", endpoint, e)
+            return None
+        logger.info("LayerKV: copying KV device to device into decode %s (CUDA IPC, peer GPU "
+                    "%s)", endpoint, peer_kv.peer_device)
+        return peer_kv
 
     # ------------------------------------------------------------------ D side
     def start_receiver(self, host: str, port: int, sink: ReceiveSink, blocks: BlockIO,
                        io_timeout: float) -> str:
+        if self._direct is not None:
+            self._direct.prepare_export()
         self._server = framing.listen(host, port)
         bound_port = self._server.getsockname()[1]
         threading.Thread(target=self._accept_loop, args=(sink, blocks, io_timeout),
@@ -185,6 +277,7 @@ class TcpTransport(Transport):
         peer = f"{addr[0]}:{addr[1]}"
         hello: Hello | None = None
         scratch = memoryview(bytearray(SCRATCH_BYTES))
+        granted: dict[int, str] = {}  # seq -> transfer_id of device-direct writes in progress
         try:
             first = framing.recv_message(conn)
             if not isinstance(first, Hello):
@@ -195,7 +288,10 @@ class TcpTransport(Transport):
                 framing.send_message(conn, Refused(transfer_id="", reason=refusal))
                 return
             hello = first
-            framing.send_message(conn, HelloAck(tp_rank=getattr(sink, "tp_rank", 0)))
+            export = (self._direct.offer(first.want_direct, first.host_id)
+                      if self._direct is not None else None)
+            framing.send_message(conn, HelloAck(tp_rank=getattr(sink, "tp_rank", 0),
+                                                kv_export=export))
             while not self._stop.is_set():
                 # Idle between transfers is fine; once a message starts, io_timeout applies.
                 readable, _, _ = select.select([conn], [], [], 1.0)
@@ -205,6 +301,13 @@ class TcpTransport(Transport):
                 if isinstance(msg, BlockData):
                     self._receive_blocks(conn, msg, sink, blocks, scratch,
                                          (hello.engine_id, hello.tp_rank))
+                elif isinstance(msg, DirectWrite) and export is not None:
+                    ok = self._grant(msg, sink, blocks, (hello.engine_id, hello.tp_rank))
+                    if ok:
+                        granted[msg.seq] = msg.transfer_id
+                    framing.send_message(conn, WriteGrant(seq=msg.seq, ok=ok))
+                elif isinstance(msg, DirectWritten) and msg.seq in granted:
+                    sink.end_write(granted.pop(msg.seq), msg.nbytes)
                 elif isinstance(msg, TransferDone):
                     ack = sink.on_done(msg.transfer_id, msg.tp_rank, hello.tp_size, msg.frames,
                                        msg.nbytes)
@@ -215,12 +318,31 @@ class TcpTransport(Transport):
                 else:
                     raise TransportError(f"unexpected {type(msg).__name__} on a data connection")
         except (OSError, framing.PeerClosed, TransportError, Exception) as e:  # noqa: BLE001
+            self._release_grants(granted, sink)
             if not self._stop.is_set() and hello is not None:
                 sink.on_source_lost(hello.engine_id, hello.tp_rank, f"connection lost: {e}")
         finally:
+            self._release_grants(granted, sink)
             with self._lock:
                 self._conns.discard(conn)
             conn.close()
+
+    @staticmethod
+    def _release_grants(granted: dict[int, str], sink: ReceiveSink) -> None:
+        """The connection ended with copies granted: they are over. P closes its socket only
+        between copies (its sender thread owns both), and the device work of a P that died
+        dies with its CUDA context."""
+        for tid in granted.values():
+            sink.end_write(tid, 0)
+        granted.clear()
+
+    @staticmethod
+    def _grant(msg: DirectWrite, sink: ReceiveSink, blocks: BlockIO,
+               source: tuple[str, int]) -> bool:
+        if any(not 0 <= layer < blocks.num_layers for layer in msg.layers):
+            raise TransportError(f"malformed DirectWrite for {msg.transfer_id}: layers "
+                                 f"{msg.layers} outside 0..{blocks.num_layers - 1}")
+        return sink.begin_write(msg.transfer_id, msg.dst_blocks, source)
 
     @staticmethod
     def _receive_blocks(conn: socket.socket, msg: BlockData, sink: ReceiveSink,

@@ -1,0 +1,137 @@
+"""One side of the two-process CUDA IPC test (test_cuda_ipc.py runs both).
+
+    python ipc_peer.py d SPEC_JSON      # prints {"endpoint": ...}, then the verdict
+    python ipc_peer.py p SPEC_JSON ENDPOINT
+
+Both sides build KV the same way (seeded), so D can check every byte P copied without P
+shipping anything else. The real Sender / RecvTable / TcpTransport run on each side; only the
+vLLM engine around them is absent.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+
+from vllm_layerkv.blockio import StagedBlockIO
+from vllm_layerkv.layout import KVLayout
+from vllm_layerkv.metadata import Peer, RecvTask, SendTask
+from vllm_layerkv.protocol import CompatInfo, Hello
+from vllm_layerkv.receiver import RecvTable
+from vllm_layerkv.sender import FinishTransfer, GroupSend, Sender
+from vllm_layerkv.stats import WorkerStats
+from vllm_layerkv.trace import Tracer
+from vllm_layerkv.transport import create_transport
+
+SENTINEL = 0x5A
+
+
+def compat(spec: dict) -> CompatInfo:
+    return CompatInfo(vllm_version="test", model="ipc", dtype="bfloat16", kv_layout="HND",
+                      block_size=16, num_kv_heads=8, head_size=128,
+                      num_layers=spec["layers"], block_bytes=spec["block_bytes"])
+
+
+def make_layout(spec: dict, seed: int | None) -> KVLayout:
+    """[num_blocks, block_bytes] uint8 caches on cuda:0; seeded random bytes or the sentinel."""
+    gen = torch.Generator(device="cuda").manual_seed(seed or 0)
+    caches = {}
+    for i in range(spec["layers"]):
+        t = torch.empty(spec["blocks"], spec["block_bytes"], dtype=torch.uint8, device="cuda")
+        if seed is None:
+            t.fill_(SENTINEL)
+        else:
+            t.copy_(torch.randint(0, 256, t.shape, generator=gen, device="cuda",
+                                  dtype=torch.uint8))
+        caches[f"model.layers.{i}.self_attn.attn"] = t
+    return KVLayout.from_kv_caches(caches, spec["blocks"])
+
+
+def run_d(spec: dict) -> None:
+    layout = make_layout(spec, seed=None)
+    blocks = StagedBlockIO(layout)
+    stats = WorkerStats()
+    table = RecvTable(compat(spec), tp_rank=0, tp_size=1, unknown_wait_s=5.0, stats=stats)
+    transport = create_transport(spec["transport"], blocks)
+    endpoint = transport.start_receiver("127.0.0.1", 0, table, blocks, 30.0)
+    for i, t in enumerate(spec["transfers"]):
+        table.expect(RecvTask(f"req-{i}", f"tid-{i}", t["dst"]))
+    print(json.dumps({"endpoint": endpoint}), flush=True)
+    finished: set[str] = set()
+    failed: set[str] = set()
+    deadline = time.monotonic() + 120
+    while len(finished | failed) < len(spec["transfers"]) and time.monotonic() < deadline:
+        table.results_ready.wait(0.1)
+        f, x = table.drain()
+        finished |= f
+        failed |= x
+    expected = make_layout(spec, seed=1)  # P's KV, regenerated here
+    mismatches = 0
+    written = torch.zeros(spec["layers"], spec["blocks"], dtype=torch.bool)
+    for t in spec["transfers"]:
+        for layer in range(spec["layers"]):
+            for s, d in zip(t["src"], t["dst"]):
+                written[layer, d] = True
+                if not torch.equal(layout.tensors[layer][d], expected.tensors[layer][s]):
+                    mismatches += 1
+    untouched_ok = all(
+        bool((layout.tensors[layer][~written[layer].cuda()] == SENTINEL).all())
+        for layer in range(spec["layers"]))
+    print(json.dumps({"finished": sorted(finished), "failed": sorted(failed),
+                      "mismatched_blocks": mismatches, "untouched_ok": untouched_ok,
+                      "device": torch.cuda.get_device_name()}), flush=True)
+    transport.shutdown()
+
+
+def run_p(spec: dict, endpoint: str) -> None:
+    layout = make_layout(spec, seed=1)
+    blocks = StagedBlockIO(layout)
+    stats = WorkerStats()
+    hello = Hello(compat=compat(spec), engine_id="p", tp_rank=0, tp_size=1)
+    transport = create_transport(spec["transport"], blocks)
+    sender = Sender(transport, blocks, hello, tp_rank=0, connect_timeout=10.0,
+                    io_timeout=30.0, stats=stats, tracer=Tracer("", "p", 0))
+    peer = Peer(engine_id="d", tp_size=1, data_endpoints=[endpoint])
+    tasks = [SendTask(req_id=f"req-{i}", transfer_id=f"tid-{i}", peer=peer, src_blocks=t["src"],
+                      dst_blocks=t["dst"], final=True, new_tokens=16 * len(t["src"]))
+             for i, t in enumerate(spec["transfers"])]
+    layers = list(range(spec["layers"]))
+    groups = [layers[i:i + spec["group"]] for i in range(0, len(layers), spec["group"])]
+    for task in tasks:
+        sender.outgoing(task)
+    torch.cuda.synchronize()
+    t0 = time.monotonic()
+    for g, group in enumerate(groups):
+        event = torch.cuda.Event()
+        event.record()
+        sender.put(GroupSend(step=1, group=g, layers=group, tasks=tasks, event=event))
+    for task in tasks:
+        sender.put(FinishTransfer(task, t_compute_end=time.monotonic()))
+    states: dict[str, str] = {}
+    deadline = time.monotonic() + 120
+    while len(states) < len(tasks) and time.monotonic() < deadline:
+        sender.state.changed.wait(0.05)
+        sender.state.changed.clear()
+        with sender.state.lock:
+            for tid, out in sender.state.transfers.items():
+                if out.terminal:
+                    states[tid] = f"{out.state} {out.reason}".strip()
+    seconds = time.monotonic() - t0
+    nbytes = sum(len(t["src"]) for t in spec["transfers"]) * spec["layers"] * spec["block_bytes"]
+    channel = next(iter(sender._channels.values()), None)
+    print(json.dumps({"states": states, "seconds": seconds, "nbytes": nbytes,
+                      "gbps": nbytes / seconds / 1e9, "transport": transport.name,
+                      "direct": bool(getattr(channel, "direct", False))}), flush=True)
+    sender.shutdown()
+    transport.shutdown()
+
+
+if __name__ == "__main__":
+    role, spec_json = sys.argv[1], json.loads(sys.argv[2])
+    if role == "d":
+        run_d(spec_json)
+    else:
+        run_p(spec_json, sys.argv[3])

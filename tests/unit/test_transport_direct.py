@@ -1,0 +1,357 @@
+"""Device-direct transfers (``transport`` auto / cuda_ipc) on real sockets, on CPU.
+
+CUDA IPC itself needs GPUs (tests/gpu/test_cuda_ipc.py runs it across two processes). What this
+file checks is everything around the mapping, which is the same code on CPU: the handshake that
+offers and accepts D's KV, the grant protocol (``DirectWrite`` / ``WriteGrant`` /
+``DirectWritten``) that lets D's ``RecvTable`` guard its blocks against a writer it does not
+drive, the fallbacks, and the block-copy function P uses. ``HostPeering`` stands in for the
+mapping only: "exporting" registers D's host tensors in this process, "mapping" looks them up.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+
+import msgspec
+import pytest
+import torch
+from test_transport_tcp import (
+    BLOCK_BYTES,
+    NUM_BLOCKS,
+    NUM_LAYERS,
+    TIMEOUT,
+    DSide,
+    PSide,
+    assert_copied,
+    assert_sentinel,
+    compat,
+    make_caches,
+    push,
+    task,
+)
+
+from vllm_layerkv.blockio import HostBlockIO
+from vllm_layerkv.layout import KVLayout
+from vllm_layerkv.metadata import RecvTask
+from vllm_layerkv.protocol import DirectWrite, Hello, HelloAck, KVExport, WriteGrant
+from vllm_layerkv.receiver import RecvTable
+from vllm_layerkv.sender import Sender
+from vllm_layerkv.stats import WorkerStats
+from vllm_layerkv.trace import Tracer
+from vllm_layerkv.transport import create_transport, framing
+from vllm_layerkv.transport.base import TransportError
+from vllm_layerkv.transport.cuda_ipc import (
+    MAX_RUN_COPIES,
+    DirectPeering,
+    DirectUnavailable,
+    copy_blocks,
+    host_id,
+    paired_runs,
+)
+from vllm_layerkv.transport.tcp import TcpTransport
+
+_EXPORTED: dict[str, list[torch.Tensor]] = {}
+
+
+class HostPeerKV:
+    """What ``PeerKV`` is after mapping: D's blocks plus a copy on them. ``gate`` holds copies."""
+
+    def __init__(self, local: list[torch.Tensor], remote: list[torch.Tensor],
+                 gate: threading.Event | None):
+        self._src, self._dst, self._gate = local, remote, gate
+        self.peer_device = "host-double"
+        self.copies = 0
+        self.in_copy = threading.Event()
+
+    def copy(self, layers: Sequence[int], src_blocks: Sequence[int],
+             dst_blocks: Sequence[int]) -> int:
+        self.in_copy.set()
+        if self._gate is not None:
+            assert self._gate.wait(TIMEOUT)
+        self.copies += 1
+        return copy_blocks(self._src, self._dst, layers, src_blocks, dst_blocks)
+
+
+class HostPeering(DirectPeering):
+    """``DirectPeering`` with the CUDA IPC export / map replaced by an in-process registry."""
+
+    def __init__(self, layout: KVLayout, required: bool = False,
+                 gate: threading.Event | None = None, mappable: bool = True):
+        views = [t.view(torch.uint8).view(layout.num_blocks, layout.block_bytes)
+                 for t in layout.tensors]
+        super().__init__(views, required)
+        self._gate, self._mappable = gate, mappable
+        self.mapped: list[HostPeerKV] = []
+
+    def prepare_export(self) -> None:
+        token = uuid.uuid4().hex
+        _EXPORTED[token] = self._local
+        self._export = KVExport(host_id=host_id(), device_uuid=token,
+                                num_blocks=self._local[0].shape[0],
+                                block_bytes=self._local[0].shape[1], layers=[])
+
+    def attach(self, export: KVExport) -> HostPeerKV:
+        if not self._mappable:
+            raise DirectUnavailable("peer GPU not reachable (test)")
+        peer = HostPeerKV(self._local, _EXPORTED[export.device_uuid], self._gate)
+        self.mapped.append(peer)
+        return peer
+
+
+def start_d(direct: bool = True, unknown_wait_s: float = 0.3) -> DSide:
+    layout = KVLayout.from_kv_caches(make_caches(0xA5), NUM_BLOCKS)
+    stats = WorkerStats()
+    table = RecvTable(compat(), tp_rank=0, tp_size=1, unknown_wait_s=unknown_wait_s,
+                      stats=stats)
+    transport = TcpTransport(HostPeering(layout) if direct else None)
+    endpoint = transport.start_receiver("127.0.0.1", 0, table, HostBlockIO(layout), 5.0)
+    return DSide(table, transport, endpoint, layout, stats)
+
+
+def start_p(**peering) -> tuple[PSide, HostPeering]:
+    layout = KVLayout.from_kv_caches(make_caches(None, seed=1), NUM_BLOCKS)
+    stats = WorkerStats()
+    peering_ = HostPeering(layout, **peering)
+    hello = Hello(compat=compat(), engine_id="prefill-0", tp_rank=0, tp_size=1)
+    sender = Sender(TcpTransport(peering_), HostBlockIO(layout), hello, tp_rank=0,
+                    connect_timeout=2.0, io_timeout=5.0, stats=stats, tracer=Tracer("", "p", 0))
+    return PSide(sender, layout, stats, "prefill-0"), peering_
+
+
+@pytest.fixture
+def sides():
+    made: list = []
+
+    def make_d(**kw) -> DSide:
+        d = start_d(**kw)
+        made.append(d.transport.shutdown)
+        return d
+
+    def make_p(**kw) -> tuple[PSide, HostPeering]:
+        p, peering = start_p(**kw)
+        made.append(p.sender.shutdown)
+        return p, peering
+
+    yield make_d, make_p
+    for stop in reversed(made):
+        stop()
+
+
+# ------------------------------------------------------------------------ block copies
+
+
+def test_paired_runs_merge_only_what_is_adjacent_on_both_sides() -> None:
+    assert paired_runs([], []) == []
+    assert paired_runs([4, 5, 6], [10, 11, 12]) == [(4, 10, 3)]
+    assert paired_runs([4, 5, 6], [10, 11, 20]) == [(4, 10, 2), (6, 20, 1)]
+    assert paired_runs([4, 6, 7], [1, 2, 3]) == [(4, 1, 1), (6, 2, 2)]
+    assert paired_runs([3, 2], [0, 1]) == [(3, 0, 1), (2, 1, 1)]
+
+
+@pytest.mark.parametrize("scattered", [False, True], ids=["runs", "gather"])
+def test_copy_blocks_copies_exactly_the_pairs(scattered: bool) -> None:
+    gen = torch.Generator().manual_seed(0)
+    src = [torch.randint(0, 256, (64, 32), generator=gen, dtype=torch.uint8) for _ in range(3)]
+    dst = [torch.zeros(64, 32, dtype=torch.uint8) for _ in range(3)]
+    if scattered:
+        s_blocks = list(range(0, 60, 3))
+        d_blocks = list(range(63, 3, -3))
+        assert len(paired_runs(s_blocks, d_blocks)) > MAX_RUN_COPIES
+    else:
+        s_blocks, d_blocks = [1, 2, 3, 10, 11], [40, 41, 42, 5, 6]
+    n = copy_blocks(src, dst, [0, 2], s_blocks, d_blocks)
+    assert n == 2 * len(s_blocks) * 32
+    for layer in (0, 2):
+        assert torch.equal(dst[layer][d_blocks], src[layer][s_blocks])
+        others = [b for b in range(64) if b not in d_blocks]
+        assert int(dst[layer][others].sum()) == 0
+    assert int(dst[1].sum()) == 0  # layer not listed
+
+
+def test_copy_blocks_rejects_unequal_lists() -> None:
+    t = [torch.zeros(4, 8, dtype=torch.uint8)]
+    with pytest.raises(ValueError, match="differ in length"):
+        copy_blocks(t, t, [0], [0, 1], [0])
+
+
+# ------------------------------------------------------------------------ choosing the path
+
+
+def test_cuda_ipc_needs_kv_on_a_cuda_device() -> None:
+    blocks = HostBlockIO(KVLayout.from_kv_caches(make_caches(0), NUM_BLOCKS))
+    with pytest.raises(TransportError, match="transport=cuda_ipc needs the KV cache on a CUDA"):
+        create_transport("cuda_ipc", blocks)
+    assert create_transport("auto", blocks).name == "tcp"  # nothing to map on CPU
+    assert create_transport("tcp", blocks).name == "tcp"
+    with pytest.raises(TransportError, match="unknown transport 'rdma'"):
+        create_transport("rdma", blocks)
+
+
+def test_offer_goes_only_to_senders_on_this_host_that_ask() -> None:
+    layout = KVLayout.from_kv_caches(make_caches(0), NUM_BLOCKS)
+    peering = HostPeering(layout)
+    peering.prepare_export()
+    assert peering.offer(True, host_id()) is not None
+    assert peering.offer(False, host_id()) is None
+    assert peering.offer(True, "other-host/boot") is None
+
+
+# ------------------------------------------------------------------------ the grant protocol
+
+
+def test_direct_transfer_is_byte_exact_acked_and_counted(sides) -> None:
+    make_d, make_p = sides
+    d = make_d()
+    p, peering = make_p()
+    src, dst = list(range(0, 20)), list(range(30, 50))
+    d.table.expect(RecvTask("req-a", "tid-a", dst))
+    push(p, [task("tid-a", d, src, dst, req_id="req-a")])
+    out = p.wait_state("tid-a", ["acked", "failed"])
+    assert out.state == "acked", out.reason
+    assert out.nbytes == NUM_LAYERS * len(src) * BLOCK_BYTES
+    assert d.drain_until(lambda f, x: bool(f or x)) == ({"req-a"}, set())
+    assert_copied(p, d, list(zip(src, dst)))
+    assert len(peering.mapped) == 1 and peering.mapped[0].copies == 2  # one per layer group
+    assert d.stats.take().data["bytes_received"] == out.nbytes
+
+
+def test_direct_transfer_of_scattered_blocks(sides) -> None:
+    make_d, make_p = sides
+    d = make_d()
+    p, _ = make_p()
+    src = list(range(0, 60, 3))
+    dst = list(range(63, 3, -3))
+    d.table.expect(RecvTask("r", "t", dst))
+    push(p, [task("t", d, src, dst, req_id="r")], groups=[(0,), (1, 2, 3)])
+    assert p.wait_state("t", ["acked", "failed"]).state == "acked"
+    assert_copied(p, d, list(zip(src, dst)))
+
+
+def test_grant_is_refused_for_a_transfer_closed_on_d(sides) -> None:
+    make_d, make_p = sides
+    d = make_d()
+    p, peering = make_p()
+    d.table.expect(RecvTask("r", "t", [1, 2, 3]))
+    d.table.close("t", failed=False, reason="aborted")
+    assert d.table.drain() == ({"r"}, set())
+    push(p, [task("t", d, [4, 5, 6], [1, 2, 3], req_id="r")])
+    out = p.wait_state("t", ["acked", "failed"])
+    assert out.state == "failed" and "decode no longer waits" in out.reason
+    assert peering.mapped[0].copies == 0  # P never touched D's memory
+    assert_sentinel(d)
+
+
+def test_grant_naming_a_foreign_block_fails_the_transfer_and_copies_nothing(sides) -> None:
+    make_d, make_p = sides
+    d = make_d()
+    p, peering = make_p()
+    d.table.expect(RecvTask("r", "t", [1, 2]))
+    push(p, [task("t", d, [4, 5], [1, 9], req_id="r")])
+    assert d.drain_until(lambda f, x: bool(x)) == (set(), {"r"})
+    assert peering.mapped[0].copies == 0
+    assert_sentinel(d)
+
+
+def test_close_waits_for_a_device_copy_in_progress(sides) -> None:
+    """Memory safety: D reports a transfer (and vLLM frees its blocks) only once P's granted
+    copy into them has completed."""
+    make_d, make_p = sides
+    d = make_d()
+    gate = threading.Event()
+    p, peering = make_p(gate=gate)
+    d.table.expect(RecvTask("r", "t", [3]))
+    push(p, [task("t", d, [7], [3], req_id="r")], groups=[(0, 1, 2, 3)], finish=False)
+    deadline = time.monotonic() + TIMEOUT
+    while not (peering.mapped and peering.mapped[0].in_copy.is_set()):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    closer = threading.Thread(target=d.table.close, args=("t", True, "kv_wait_timeout_s"))
+    closer.start()
+    closer.join(0.3)
+    assert closer.is_alive(), "close() returned while P was copying into the blocks"
+    assert d.table.drain() == (set(), set())
+    gate.set()
+    closer.join(TIMEOUT)
+    assert not closer.is_alive()
+    assert d.table.drain() == (set(), {"r"})
+    assert_copied(p, d, [(7, 3)])  # the copy finished before the report
+
+
+def test_sender_vanishing_after_a_grant_releases_it(sides) -> None:
+    """A granted copy whose sender's connection ends no longer holds the transfer open."""
+    make_d, _ = sides
+    d = make_d()
+    d.table.expect(RecvTask("r", "t", [1]))
+    sock = framing.connect(d.endpoint, 2.0)
+    framing.send_message(sock, Hello(compat=compat(), engine_id="raw", tp_rank=0, tp_size=1,
+                                     host_id=host_id(), want_direct=True))
+    ack = framing.recv_message(sock)
+    assert isinstance(ack, HelloAck) and ack.kv_export is not None
+    framing.send_message(sock, DirectWrite(transfer_id="t", seq=1, layers=[0], dst_blocks=[1]))
+    assert framing.recv_message(sock) == WriteGrant(seq=1, ok=True)
+    assert d.table._open["t"].writers == 1
+    sock.close()
+    assert d.drain_until(lambda f, x: bool(x)) == (set(), {"r"})
+
+
+def test_direct_write_without_an_offer_drops_the_connection(sides) -> None:
+    make_d, _ = sides
+    d = make_d()
+    d.table.expect(RecvTask("r", "t", [1]))
+    sock = framing.connect(d.endpoint, 2.0)
+    framing.send_message(sock, Hello(compat=compat(), engine_id="raw", tp_rank=0, tp_size=1))
+    assert framing.recv_message(sock) == HelloAck(tp_rank=0)  # did not ask: nothing offered
+    framing.send_message(sock, DirectWrite(transfer_id="t", seq=1, layers=[0], dst_blocks=[1]))
+    with pytest.raises((framing.PeerClosed, OSError)):
+        framing.recv_message(sock)
+    sock.close()
+    assert_sentinel(d)
+
+
+# ------------------------------------------------------------------------ fallbacks
+
+
+def test_auto_sends_bytes_to_a_decode_that_offers_nothing(sides) -> None:
+    make_d, make_p = sides
+    d = make_d(direct=False)
+    p, peering = make_p()
+    d.table.expect(RecvTask("r", "t", [1, 2]))
+    push(p, [task("t", d, [5, 6], [1, 2], req_id="r")])
+    assert p.wait_state("t", ["acked", "failed"]).state == "acked"
+    assert peering.mapped == []
+    assert_copied(p, d, [(5, 1), (6, 2)])
+
+
+def test_auto_sends_bytes_when_the_mapping_fails(sides) -> None:
+    make_d, make_p = sides
+    d = make_d()
+    p, _ = make_p(mappable=False)
+    d.table.expect(RecvTask("r", "t", [1]))
+    push(p, [task("t", d, [5], [1], req_id="r")])
+    assert p.wait_state("t", ["acked", "failed"]).state == "acked"
+    assert_copied(p, d, [(5, 1)])
+
+
+@pytest.mark.parametrize("d_offers", [False, True], ids=["no-offer", "unmappable"])
+def test_cuda_ipc_required_fails_the_transfer_with_the_reason(sides, d_offers: bool) -> None:
+    make_d, make_p = sides
+    d = make_d(direct=d_offers)
+    p, _ = make_p(required=True, mappable=False)
+    d.table.expect(RecvTask("r", "t", [1]))
+    push(p, [task("t", d, [5], [1], req_id="r")])
+    out = p.wait_state("t", ["acked", "failed"])
+    assert out.state == "failed"
+    assert "transport=cuda_ipc" in out.reason and "transport=auto" in out.reason
+    assert ("peer GPU not reachable" if d_offers else "did not offer") in out.reason
+    assert_sentinel(d)
+
+
+def test_hello_from_an_older_sender_still_decodes() -> None:
+    """Fields added for the direct path have defaults: a Hello without them is a byte sender."""
+    enc = msgspec.msgpack.encode({"type": "Hello", "compat": msgspec.to_builtins(compat()),
+                                  "engine_id": "p", "tp_rank": 0, "tp_size": 1})
+    hello = msgspec.msgpack.decode(enc, type=Hello)
+    assert hello.want_direct is False and hello.host_id == ""
