@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -36,6 +37,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+import profile_trace  # noqa: E402  (benchmarks/profile_trace.py, beside this script)
 from vllm_layerkv.testing.servers import (  # noqa: E402
     HelperProcess,
     VllmServer,
@@ -97,21 +99,23 @@ def start_config(name: str, args: argparse.Namespace, out: Path) -> tuple[str, l
         proxy.wait_ready()
         return proxy.url, [p, d], [proxy]
     if name in ("layerkv", "layerkv-tcp"):
-        transport = {"transport": "tcp"} if name == "layerkv-tcp" else {}
-        p_extra: dict[str, Any] = {"trace_path": str(cdir / "trace")} if args.trace else {}
+        common: dict[str, Any] = {"transport": "tcp"} if name == "layerkv-tcp" else {}
+        trace = ["--trace", str(cdir / "trace")] if args.trace else []
+        if args.trace:
+            common["trace_path"] = str(cdir / "trace")
+        p_extra = dict(common)
         if args.device == "cuda":
             p_extra["piecewise_cudagraph"] = True
         # module path too: works even where the package's entry point is not installed
         lkv = {"kv_connector": "LayerKV", "kv_connector_module_path": "vllm_layerkv"}
         p = server(args, "prefill", cdir, {**lkv, "kv_role": "kv_producer",
-                                           "kv_connector_extra_config": {**p_extra, **transport}},
-                   slot=0)
+                                           "kv_connector_extra_config": p_extra}, slot=0)
         d = server(args, "decode", cdir, {**lkv, "kv_role": "kv_consumer",
-                                          "kv_connector_extra_config": transport}, slot=1)
+                                          "kv_connector_extra_config": common}, slot=1)
         start_all([p, d], timeout=args.start_timeout)
         port = free_port()
         proxy = HelperProcess([sys.executable, "-m", "vllm_layerkv.cli", "proxy", "--prefill", p.url,
-                      "--decode", d.url, "--port", str(port)], cdir / "proxy.log",
+                      "--decode", d.url, "--port", str(port), *trace], cdir / "proxy.log",
                      f"http://127.0.0.1:{port}")
         proxy.wait_ready()
         return proxy.url, [p, d], [proxy]
@@ -160,6 +164,19 @@ def greedy_ids(url: str, prompts: list[list[int]], max_tokens: int) -> list[list
     return out
 
 
+def layerkv_transport_used(log_path: Path) -> str:
+    """What P's log says it used for its decode endpoints (the choice is made per endpoint at
+    the first transfer and logged with the reason)."""
+    text = log_path.read_text(errors="replace") if log_path.exists() else ""
+    used = []
+    if "copying KV device to device" in text:
+        used.append("cuda_ipc")
+    # a fallback names its reason ("... over TCP: why"); a worker set to tcp says so when ready
+    if "over TCP:" in text or re.search(r"transport tcp(,|$)", text, re.MULTILINE):
+        used.append("tcp")
+    return "+".join(used) or "unknown"
+
+
 def summarize(result: dict[str, Any]) -> dict[str, float]:
     keys = ("median_ttft_ms", "mean_ttft_ms", "p90_ttft_ms", "median_tpot_ms", "mean_tpot_ms",
             "median_e2el_ms", "completed", "failed", "request_throughput")
@@ -189,7 +206,9 @@ def main() -> int:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--start-timeout", type=float, default=900)
     ap.add_argument("--bench-timeout", type=float, default=900)
-    ap.add_argument("--trace", action="store_true", help="LayerKV trace JSONL on P")
+    ap.add_argument("--trace", action="store_true",
+                    help="LayerKV: connector traces on P and D and the proxy's trace; writes "
+                         "<config>_profile.json (TTFT breakdown, benchmarks/profile_trace.py)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     # SIGTERM (timeout, Ctrl-C from a wrapper) must still run the finally blocks that stop servers
@@ -239,6 +258,17 @@ def main() -> int:
             for p in procs:
                 p.stop()
             stop_all(servers)
+        if name.startswith("layerkv"):
+            res["transport_used"] = layerkv_transport_used(args.out / name / "prefill.log")
+            log(f"{name}: P used {res['transport_used']}")
+            if args.trace:
+                rows = profile_trace.request_breakdowns(args.out / name)
+                if rows:
+                    medians = profile_trace.medians_by_length(rows)
+                    res["profile"] = medians
+                    (args.out / f"{name}_profile.json").write_text(
+                        json.dumps({"medians": medians, "requests": rows}, indent=1))
+                    log(f"{name} TTFT profile (median ms):\n" + profile_trace.format_table(medians))
         summary["results"][name] = res
         (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     if prompts:

@@ -58,6 +58,9 @@ def _add_proxy(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
     p.add_argument("--timeout", type=float, default=600.0, metavar="S",
                    help="seconds to wait at start-up for backends to become healthy "
                         "(default 600)")
+    p.add_argument("--trace", default="", metavar="PATH",
+                   help="append per-request timestamps (JSON lines, by transfer_id) to "
+                        "PATH.proxy.0, for benchmarks/profile_trace.py (default: off)")
     p.set_defaults(func=_run_proxy)
 
 

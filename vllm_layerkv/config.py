@@ -81,9 +81,9 @@ class LayerKVConfig:
 
     # --- diagnostics ---------------------------------------------------------------------
     trace_path: str = ""
-    """If set, prefill workers append one JSON line per transfer event (step plans, layer-group
-    hooks, group sends, transfer completions) to this file + ".p.<rank>". For tests and
-    debugging; off by default."""
+    """If set, workers append one JSON line per transfer event to this file + ".p.<rank>"
+    (prefill: step plans, layer-group hooks, group sends, TransferDone) or ".d.<rank>" (decode:
+    transfer expected, closed, reported). For benchmarks and debugging; off by default."""
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> LayerKVConfig:

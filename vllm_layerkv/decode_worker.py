@@ -9,14 +9,18 @@ from vllm_layerkv.metadata import LayerKVMetadata
 from vllm_layerkv.protocol import CompatInfo
 from vllm_layerkv.receiver import RecvTable
 from vllm_layerkv.stats import WorkerStats
+from vllm_layerkv.trace import Tracer
 from vllm_layerkv.transport.base import Transport
 
 
 class DecodeWorker:
     def __init__(self, config: LayerKVConfig, blocks: BlockIO, transport: Transport,
-                 compat: CompatInfo, tp_rank: int, tp_size: int, stats: WorkerStats):
+                 compat: CompatInfo, tp_rank: int, tp_size: int, stats: WorkerStats,
+                 tracer: Tracer):
+        self._tracer = tracer
         self._table = RecvTable(compat, tp_rank, tp_size,
-                                unknown_wait_s=config.connect_timeout_s, stats=stats)
+                                unknown_wait_s=config.connect_timeout_s, stats=stats,
+                                tracer=tracer)
         port = config.data_port + tp_rank if config.data_port else 0
         self.endpoint = transport.start_receiver(
             config.host, port, self._table, blocks, config.io_timeout_s)
@@ -32,7 +36,11 @@ class DecodeWorker:
         for a completion instead of letting the engine loop spin."""
         if wait_s > 0 and self._table.pending() and not self._table.results_ready.is_set():
             self._table.results_ready.wait(wait_s)
-        return self._table.drain()
+        finished, failed = self._table.drain()
+        if self._tracer.enabled and (finished or failed):
+            self._tracer.event("recv_reported", req_ids=sorted(finished | failed))
+            self._tracer.flush()
+        return finished, failed
 
     def failed_blocks(self) -> set[int]:
         return self._table.drain_failed_blocks()

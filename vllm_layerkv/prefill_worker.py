@@ -98,8 +98,11 @@ class PrefillWorker:
                              for i, g in enumerate(groups)]
         names = self._layout.layer_names
         self._group_of_end_layer = {names[g[-1]]: i for i, g in enumerate(groups)}
-        self._tracer.event("step_plan", step=self._step, groups=len(groups),
-                           tokens=avg_tokens, tasks=len(streamed))
+        if self._tracer.enabled:
+            self._tracer.event("step_plan", step=self._step, groups=len(groups),
+                               tokens=avg_tokens, tasks=len(streamed),
+                               transfer_ids=[t.transfer_id for t in streamed],
+                               final=[t.transfer_id for t in streamed if t.final])
 
     def on_layer_saved(self, layer_name: str) -> None:
         group = self._group_of_end_layer.get(layer_name)

@@ -40,11 +40,13 @@ import logging
 import os
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Generic, Iterable, Sequence, TypeVar
+from typing import Any, Callable, Generic, Iterable, Sequence, TypeVar
 from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
+
+from vllm_layerkv.trace import Tracer
 
 logger = logging.getLogger("vllm_layerkv.proxy")
 
@@ -331,7 +333,9 @@ class _StreamRelay:
     """
 
     def __init__(self, request: web.Request, upstream: aiohttp.ClientResponse,
-                 backend: Backend, headers: dict[str, str]) -> None:
+                 backend: Backend, headers: dict[str, str],
+                 on_first: Callable[[], None] | None = None) -> None:
+        self.on_first = on_first
         self.request = request
         self.upstream = upstream
         self.backend = backend
@@ -349,6 +353,8 @@ class _StreamRelay:
         up = self.upstream
         try:
             first = await up.content.readany()
+            if self.on_first is not None:
+                self.on_first()
             self.response = web.StreamResponse(status=up.status, headers={
                 "Content-Type": up.headers.get("Content-Type", "text/event-stream"),
                 "Cache-Control": "no-cache", **self.headers})
@@ -391,8 +397,11 @@ class ProxyApp:
 
     def __init__(self, prefill: Sequence[Backend], decode: Sequence[Backend], *,
                  startup_timeout: float = 600.0, connect_timeout: float = 10.0,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, trace_path: str = "") -> None:
         self.prefill = RoundRobin(prefill)
+        self.tracer = Tracer(trace_path, "proxy", 0)
+        """Per-request timestamps (arrival, D's first bytes, P's answer) by transfer_id, for
+        the TTFT profile (benchmarks/profile_trace.py); off unless --trace is given."""
         self.decode = RoundRobin(decode)
         self.startup_timeout = startup_timeout
         self.connect_timeout = connect_timeout
@@ -696,6 +705,7 @@ class ProxyApp:
 
         headers = self._upstream_headers(request, tid)
         out_headers = {"X-Request-Id": tid}
+        self.tracer.event("proxy_in", transfer_id=tid)
         # Both in flight at once: D registers with P while P prefills (see module docstring).
         p_task = asyncio.create_task(self._send(
             p, request.path, _dumps(prefill_body(body, tid, chat)), headers, False))
@@ -727,7 +737,9 @@ class ProxyApp:
 
             # Phase 2: D streams. Relay it while still watching P: if P fails, D would only
             # wait for KV that never comes, so the stream is ended with P's error.
-            relay = _StreamRelay(request, d_res, d, out_headers)
+            relay = _StreamRelay(request, d_res, d, out_headers, on_first=(
+                (lambda: self.tracer.event("proxy_d_first", transfer_id=tid))
+                if self.tracer.enabled else None))
             relay_task = asyncio.create_task(relay.run())
             pending = {relay_task} | ({p_task} if not p_task.done() else set())
             while relay_task in pending:
@@ -751,6 +763,8 @@ class ProxyApp:
             keep_prefill = relay_task.exception() is None
             return await self._await_relay(relay, relay_task, tid)
         finally:
+            self.tracer.event("proxy_out", transfer_id=tid)
+            self.tracer.flush()
             # Runs on every exit, including cancellation when the client disconnects.
             if keep_prefill:
                 self._in_background(p_task, tid)
@@ -822,7 +836,7 @@ PROXY_KEY = web.AppKey("layerkv_proxy", ProxyApp)
 
 def build_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], *,
               startup_timeout: float = 600.0, connect_timeout: float = 10.0,
-              api_key: str | None = None) -> web.Application:
+              api_key: str | None = None, trace_path: str = "") -> web.Application:
     """The proxy as an aiohttp application (``app[PROXY_KEY]`` is its ProxyApp).
 
     Run it with ``handler_cancellation=True`` (``run_proxy`` and aiohttp's TestServer do) so a
@@ -833,7 +847,7 @@ def build_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], *,
     prefill = [parse_backend_url(u, "prefill") for u in prefill_urls]
     decode = [parse_backend_url(u, "decode") for u in decode_urls]
     proxy = ProxyApp(prefill, decode, startup_timeout=startup_timeout,
-                     connect_timeout=connect_timeout, api_key=api_key)
+                     connect_timeout=connect_timeout, api_key=api_key, trace_path=trace_path)
     app = web.Application(middlewares=[_error_middleware], client_max_size=MAX_REQUEST_BYTES)
     app[PROXY_KEY] = proxy
     app.on_startup.append(proxy.on_startup)
@@ -852,7 +866,8 @@ def run_proxy(args: Any) -> None:
     and used for discovery; client requests carry their own Authorization header through.
     """
     app = build_app(args.prefill, args.decode, startup_timeout=args.timeout,
-                    api_key=os.environ.get("VLLM_API_KEY") or None)
+                    api_key=os.environ.get("VLLM_API_KEY") or None,
+                    trace_path=getattr(args, "trace", "") or "")
     proxy = app[PROXY_KEY]
     logger.info("LayerKV proxy on http://%s:%d  prefill: %s  decode: %s", args.host, args.port,
                 " ".join(b.url for b in proxy.prefill.items),

@@ -19,6 +19,7 @@ from vllm_layerkv import tp
 from vllm_layerkv.metadata import RecvTask
 from vllm_layerkv.protocol import CompatInfo, Hello, TransferAck, compatibility_error
 from vllm_layerkv.stats import WorkerStats
+from vllm_layerkv.trace import Tracer
 
 logger = logging.getLogger("vllm.layerkv.receiver")
 TOMBSTONE_S = 600.0
@@ -39,8 +40,9 @@ class _Incoming:
 
 class RecvTable:
     def __init__(self, compat: CompatInfo, tp_rank: int, tp_size: int, unknown_wait_s: float,
-                 stats: WorkerStats):
+                 stats: WorkerStats, tracer: Tracer | None = None):
         self.tp_rank = tp_rank
+        self._tracer = tracer or Tracer("", "d", tp_rank)
         self._tp_size = tp_size
         self._compat = compat
         self._unknown_wait_s = unknown_wait_s
@@ -62,6 +64,7 @@ class RecvTable:
                             allowed_blocks=frozenset(task.block_ids),
                             t_expected=time.monotonic())
             self._open[task.transfer_id] = inc
+            self._tracer.event("recv_expected", transfer_id=task.transfer_id)
             early = self._aborted_early.pop(task.transfer_id, None)
             if early is not None:
                 self._finish_locked(inc, "failed", f"prefill aborted the transfer: {early[0]}")
@@ -125,6 +128,8 @@ class RecvTable:
         else:
             self._finished.add(inc.req_id)
             self._stats.record_received(inc.nbytes, time.monotonic() - inc.t_expected)
+        self._tracer.event("recv_closed", transfer_id=inc.transfer_id, req_id=inc.req_id,
+                           outcome=outcome, nbytes=inc.nbytes)
         self.results_ready.set()
         self._cond.notify_all()
 

@@ -44,6 +44,7 @@ class LayerKVWorker:
         self._tp_rank, self._tp_size = tp_rank_and_size()
         self._compat = compat_info(vllm_config, kv_cache_config)
         self._stats = WorkerStats()
+        # a kv_both instance traces to ".p": its prefill events are the ones worth reading
         self._tracer = Tracer(config.trace_path, "p" if is_producer else "d", self._tp_rank)
         self._transport: Transport | None = None  # made once the KV's device is known
         self._prefill: PrefillWorker | None = None
@@ -73,7 +74,7 @@ class LayerKVWorker:
                                           self._stats)
         if self._is_consumer:
             self._decode = DecodeWorker(self._config, blocks, self._transport, self._compat,
-                                        self._tp_rank, self._tp_size, self._stats)
+                                        self._tp_rank, self._tp_size, self._stats, self._tracer)
         logger.info(
             "LayerKV worker rank %d/%d ready: %d layers, %d blocks x %d B, transport %s%s",
             self._tp_rank, self._tp_size, layout.num_layers, layout.num_blocks,

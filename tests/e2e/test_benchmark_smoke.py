@@ -21,7 +21,7 @@ def test_ttft_bench_cpu_smoke(tmp_path: Path) -> None:
     cmd = [sys.executable, str(ROOT / "benchmarks" / "ttft_bench.py"), "--device", "cpu",
            "--model", str(model_path("tiny-llama")), "--configs", "single", "layerkv",
            "--prompt-lens", "64", "512", "--num-prompts", "2", "--identity", "3",
-           "--max-model-len", "2048", "--out", str(out)]
+           "--max-model-len", "2048", "--trace", "--out", str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -33,3 +33,15 @@ def test_ttft_bench_cpu_smoke(tmp_path: Path) -> None:
             assert res["median_ttft_ms"] > 0
     # the result files vllm bench serve saved are there for the table / plots
     assert (out / "layerkv_c1_in512.json").exists()
+    layerkv = summary["results"]["layerkv"]
+    assert layerkv["transport_used"] == "tcp"  # KV in host memory: nothing else applies
+    # TTFT profile from the P, D and proxy traces: the streamed 512-token prompts (2 + the
+    # benchmark's warm-up request) have every segment, and the segments add up to the total
+    profile = json.loads((out / "layerkv_profile.json").read_text())
+    streamed = [r for r in profile["requests"] if r["prompt_tokens_computed"] >= 256]
+    assert len(streamed) >= 2, profile
+    for r in streamed:
+        parts = [r[k] for k in ("start_delay", "prefill", "last_copy", "done_msg", "report",
+                                "d_first")]
+        assert all(p >= 0 for p in parts), r
+        assert abs(sum(parts) - r["total"]) < 0.1, r

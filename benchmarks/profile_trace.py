@@ -1,0 +1,140 @@
+"""Where a LayerKV P/D request's time-to-first-token goes, from the connector and proxy traces.
+
+Inputs (one directory, as ``ttft_bench.py --trace`` leaves them for a LayerKV configuration):
+``trace.p.0`` (prefill worker), ``trace.d.0`` (decode worker), ``trace.proxy.0`` (proxy). All
+three stamp events with ``time.monotonic()``, which is one clock for every process of a host.
+
+Per request (joined by transfer_id), the segments between the proxy receiving the request and
+the proxy receiving D's first bytes:
+
+  start_delay   proxy in -> P's first step plan for the request (P tokenizes, waits for D's
+                registration: ``registration_wait_s``)
+  prefill       -> the sender sees the last layer group of the final chunk done on the device
+                (the group's CUDA event; on CPU, the end of the group's layers)
+  last_copy     -> that group's KV is in D's memory (the exposed part of the transfer)
+  done_msg      -> D's receiver has TransferDone from every P rank and closes the transfer
+  report        -> D's worker hands finished_recving to vLLM (next engine step)
+  d_first       -> D's first bytes reach the proxy (D schedules the request, recomputes the last
+                prompt token, samples, detokenizes, streams)
+
+    python benchmarks/profile_trace.py DIR [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+SEGMENTS = ("start_delay", "prefill", "last_copy", "done_msg", "report", "d_first")
+
+
+def read_events(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def request_breakdowns(trace_dir: Path) -> list[dict[str, Any]]:
+    """One dict per request seen by all three traces: prompt tokens P computed, each segment in
+    ms, and the total (proxy in -> D's first bytes)."""
+    p_events = read_events(trace_dir / "trace.p.0")
+    d_events = read_events(trace_dir / "trace.d.0")
+    proxy = read_events(trace_dir / "trace.proxy.0")
+
+    plans: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    sends: dict[tuple[int, int], dict[str, float]] = defaultdict(dict)
+    done_sent: dict[str, float] = {}
+    for e in p_events:
+        if e["ev"] == "step_plan":
+            for tid in e.get("transfer_ids", []):
+                plans[tid].append(e)
+        elif e["ev"] in ("group_send_start", "group_send_end"):
+            sends[(e["step"], e["group"])].setdefault(e["ev"], e["t"])
+        elif e["ev"] == "transfer_done_sent":
+            done_sent[e["transfer_id"]] = e["t"]
+
+    closed: dict[str, dict[str, Any]] = {}
+    reported: dict[str, float] = {}
+    for e in d_events:
+        if e["ev"] == "recv_closed":
+            closed[e["transfer_id"]] = e
+        elif e["ev"] == "recv_reported":
+            for req_id in e["req_ids"]:
+                reported.setdefault(req_id, e["t"])
+
+    proxy_t: dict[str, dict[str, float]] = defaultdict(dict)
+    for e in proxy:
+        proxy_t[e["transfer_id"]].setdefault(e["ev"], e["t"])
+
+    rows = []
+    for tid, pt in proxy_t.items():
+        tid_plans = plans.get(tid)
+        final = [p for p in tid_plans or [] if tid in p.get("final", [])]
+        if not tid_plans or not final or tid not in closed or "proxy_d_first" not in pt:
+            continue  # not streamed (short prompt), or a trace is missing: no breakdown
+        last = final[-1]
+        group_times = sends.get((last["step"], last["groups"] - 1), {})
+        req_id = closed[tid]["req_id"]
+        if ("group_send_start" not in group_times or req_id not in reported
+                or tid not in done_sent):
+            continue
+        marks = [pt["proxy_in"], tid_plans[0]["t"], group_times["group_send_start"],
+                 group_times["group_send_end"], closed[tid]["t"], reported[req_id],
+                 pt["proxy_d_first"]]
+        row: dict[str, Any] = {
+            "transfer_id": tid,
+            "prompt_tokens_computed": sum(p["tokens"] for p in tid_plans),
+            "chunks": len(tid_plans),
+            "nbytes": closed[tid]["nbytes"],
+        }
+        for name, a, b in zip(SEGMENTS, marks, marks[1:]):
+            row[name] = round((b - a) * 1000, 2)
+        row["total"] = round((marks[-1] - marks[0]) * 1000, 2)
+        rows.append(row)
+    return rows
+
+
+def medians_by_length(rows: list[dict[str, Any]]) -> dict[int, dict[str, float]]:
+    """Median of each segment per prompt length (P's computed tokens rounded to 256)."""
+    by_len: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        by_len[round(r["prompt_tokens_computed"] / 256) * 256].append(r)
+    return {n: {"requests": len(rs), **{k: round(statistics.median(r[k] for r in rs), 2)
+                                         for k in (*SEGMENTS, "total")}}
+            for n, rs in sorted(by_len.items())}
+
+
+def format_table(medians: dict[int, dict[str, float]]) -> str:
+    cols = ("requests", *SEGMENTS, "total")
+    lines = ["| prompt tokens (P computed) | " + " | ".join(cols) + " |",
+             "|---" * (len(cols) + 1) + "|"]
+    for n, m in medians.items():
+        lines.append(f"| {n} | " + " | ".join(f"{m[c]:g}" for c in cols) + " |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("trace_dir", type=Path)
+    ap.add_argument("--json", type=Path, help="also write rows + medians here")
+    args = ap.parse_args()
+    rows = request_breakdowns(args.trace_dir)
+    if not rows:
+        print(f"no request found in all of P, D and proxy traces under {args.trace_dir}",
+              file=sys.stderr)
+        return 1
+    medians = medians_by_length(rows)
+    print("median ms per segment (proxy in -> D's first bytes)")
+    print(format_table(medians))
+    if args.json:
+        args.json.write_text(json.dumps({"medians": medians, "requests": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
