@@ -1,30 +1,38 @@
-#!/usr/bin/env bash
+#!/bin/bash
 # On a lent GPU machine, after the bundle is staged and installed (../shared/gpu/README.md):
-#   bash benchmarks/gpu_bench.sh CONFIG... -- [extra ttft_bench.py args]
-# Runs a CUDA sanity check of LayerKV's staged block I/O, then benchmarks/ttft_bench.py on the
-# Llama-3.1-8B-shaped dummy model, writing results under $OUT.
+#   bash benchmarks/gpu_bench.sh [--ipc-test] CONFIG... -- [extra ttft_bench.py args]
+# --ipc-test first runs tests/gpu/test_cuda_ipc.py (two processes, P on GPU 0, D on GPU 1: CUDA
+# IPC byte-exact + copy rates). Then benchmarks/ttft_bench.py on the Llama-3.1-8B-shaped dummy
+# model. Results accumulate in $BENCH (kept on the machine while it stays warm, so configurations
+# can run in separate calls and share the single instance's greedy reference); each call packs
+# $BENCH into $OUT/bench.tar.gz and copies the summaries to $OUT.
 set -uo pipefail
-export PYTHONPATH=$HOME/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
+# the working tree first: a later call on a warm machine runs the code it carried
+export PYTHONPATH=$PWD:$HOME/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 VLLM_HOST_IP=127.0.0.1
 MODEL=${MODEL:-$HOME/stage/core/models/llama8b}
 OUT=${OUT:-/tmp/out}
+BENCH=${BENCH:-$HOME/bench}
+RUN=${RUN:-run$(date +%H%M%S)}
+mkdir -p "$OUT" "$BENCH/$RUN"
+ipc=0; [ "${1:-}" = "--ipc-test" ] && { ipc=1; shift; }
 configs=(); while [ $# -gt 0 ] && [ "$1" != "--" ]; do configs+=("$1"); shift; done; shift || true
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-python3 - <<'PY' 2>&1 | tee -a "$OUT/sanity.txt"
-import torch
-from vllm_layerkv.layout import KVLayout
-from vllm_layerkv.blockio import StagedBlockIO
-L, B = 4, 64
-src = {f"model.layers.{i}.self_attn.attn": torch.randn(B, 8, 16, 256, device="cuda:0", dtype=torch.bfloat16) for i in range(L)}
-dst = {k: torch.zeros_like(v) for k, v in src.items()}
-a, b = StagedBlockIO(KVLayout.from_kv_caches(src, B)), StagedBlockIO(KVLayout.from_kv_caches(dst, B))
-blocks_src, blocks_dst = [3, 4, 5, 9, 1], [10, 11, 2, 40, 63]
-for out_buf, in_buf in zip(b.write(range(L), blocks_dst), a.read(range(L), blocks_src)):
-    out_buf[:] = in_buf
-ok = all(torch.equal(dst[k][blocks_dst], src[k][blocks_src]) for k in src)
-untouched = [i for i in range(B) if i not in blocks_dst]
-ok &= all(int(dst[k][untouched].abs().sum()) == 0 for k in src)
-print("staged block io round trip on cuda:", "OK" if ok else "FAILED")
-PY
-python3 benchmarks/ttft_bench.py --device cuda --model "$MODEL" --load-format dummy \
-  --configs "${configs[@]}" --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | grep -E "^\[bench|median|identity|\{|failed|Error" | tail -60
+if [ $ipc = 1 ]; then
+  LAYERKV_GPU_RESULTS=$BENCH/ipc_test.json timeout 240 python3 tests/gpu/test_cuda_ipc.py \
+    > "$BENCH/ipc_test.log" 2>&1; echo "ipc test exit $?"
+  grep -E "^(PASSED|FAILED)" "$BENCH/ipc_test.log"
+  python3 -c "import json,sys; [print(r['transport'], r['gpus'], 'GB/s %.1f' % r['p']['gbps'], 'direct', r['p']['direct']) for r in json.load(open(sys.argv[1]))]" "$BENCH/ipc_test.json" 2>/dev/null
+fi
+if [ ${#configs[@]} -gt 0 ]; then
+  python3 benchmarks/ttft_bench.py --device cuda --model "$MODEL" --load-format dummy \
+    --configs "${configs[@]}" --out "$BENCH/$RUN" --identity-ref "$BENCH/identity_single.json" "$@" \
+    > "$BENCH/$RUN/bench.log" 2>&1
+  echo "ttft_bench exit $?"
+  grep -E "^\[bench|median|identity|\||failed|Error" "$BENCH/$RUN/bench.log" | grep -v "bench serve --backend" | tail -60
+fi
+# never leave servers holding the GPUs for the next call (bracketed: do not match this shell)
+pkill -f "[v]llm.entrypoints.cli.main serve" 2>/dev/null; pkill -f "[v]llm_layerkv.cli proxy" 2>/dev/null
+tar -czf "$OUT/bench.tar.gz" -C "$BENCH" . 2>/dev/null
+cp "$BENCH/$RUN/summary.json" "$OUT/summary_$RUN.json" 2>/dev/null
+ls -la "$OUT"

@@ -125,12 +125,19 @@ def start_config(name: str, args: argparse.Namespace, out: Path) -> tuple[str, l
 def bench(url: str, args: argparse.Namespace, out: Path, tag: str, input_len: int,
           output_len: int, num_prompts: int, concurrency: int) -> dict[str, Any]:
     fname = f"{tag}.json"
+    # A seed per (length, concurrency): with one seed, the random dataset's prompt i of every
+    # length starts with the same tokens, so each length would hit the prefix cache with the
+    # previous length's prompts (a "16K" prompt computing only its last 8K). No ready check:
+    # vLLM's uses prompt 0, which would then be a full prefix-cache hit when measured; the
+    # configuration is warmed up with prompts of its own instead (warm_up).
+    seed = concurrency * 1_000_000 + input_len
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve",
            "--backend", "vllm", "--base-url", url, "--endpoint", "/v1/completions",
            "--model", NAME, "--tokenizer", str(args.tokenizer or args.model),
            "--dataset-name", "random", "--random-input-len", str(input_len),
            "--random-output-len", str(output_len), "--num-prompts", str(num_prompts),
-           "--max-concurrency", str(concurrency), "--ignore-eos", "--seed", "0",
+           "--max-concurrency", str(concurrency), "--ignore-eos", "--seed", str(seed),
+           "--ready-check-timeout-sec", "0",
            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
            "--save-result", "--result-dir", str(out), "--result-filename", fname]
     log(" ".join(cmd[2:]))
@@ -150,6 +157,17 @@ def identity_prompts(n: int, model: str, max_len: int) -> list[list[int]]:
     lengths = [x for x in (16, 300, 1500, 3000) if x < max_len - 64] or [16]
     return [[rng.randrange(100, vocab - 1) for _ in range(rng.choice(lengths))]
             for _ in range(n)]
+
+
+def warm_up(url: str, model: str, lengths: list[int]) -> None:
+    """One request per benchmarked length, random ids of their own seed: first-use costs
+    (kernel selection, the P -> D connection and its CUDA IPC mapping) are paid here, not by a
+    measured request, and no measured prompt shares a prefix with these."""
+    import random
+
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    rng = random.Random(987654321)
+    greedy_ids(url, [[rng.randrange(100, vocab - 1) for _ in range(n)] for n in lengths], 2)
 
 
 def greedy_ids(url: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -200,6 +218,9 @@ def main() -> int:
                     help="a load point: concurrency, input len, output len, requests")
     ap.add_argument("--identity", type=int, default=0, metavar="N",
                     help="greedy token-identity check with N prompts")
+    ap.add_argument("--identity-ref", type=Path, default=None, metavar="PATH",
+                    help="where the single instance's greedy ids are kept (written by a run "
+                         "with 'single', read by later runs without it); default: OUT/identity_single.json")
     ap.add_argument("--max-model-len", type=int, default=17000)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--max-num-seqs", type=int, default=64)
@@ -218,9 +239,14 @@ def main() -> int:
 
     summary: dict[str, Any] = {"command": " ".join(sys.argv), "device": args.device,
                                "model": args.model, "results": {}, "identity": {}}
-    reference: list[list[int]] | None = None
     prompts = (identity_prompts(args.identity, args.model, args.max_model_len)
                if args.identity else [])
+    ref_path = args.identity_ref or args.out / "identity_single.json"
+    reference: list[list[int]] | None = None
+    if prompts and "single" not in args.configs and ref_path.exists():
+        stored = json.loads(ref_path.read_text())
+        if stored["prompts"] == prompts:  # same seed, same model vocabulary
+            reference = stored["ids"]
     ok = True
     for name in args.configs:
         log(f"=== {name}: starting")
@@ -235,10 +261,14 @@ def main() -> int:
                     summary["identity"]["single_vs_single"] = sum(a == b for a, b in
                                                                   zip(ids, again))
                     reference = ids
+                    ref_path.parent.mkdir(parents=True, exist_ok=True)
+                    ref_path.write_text(json.dumps({"prompts": prompts, "ids": ids}))
                 elif reference is not None:
                     same = sum(a == b for a, b in zip(ids, reference))
                     summary["identity"][f"{name}_vs_single"] = same
                     ok &= same == len(prompts)
+            warm_up(url, args.model, sorted({min(n, args.max_model_len - 64)
+                                             for n in args.prompt_lens}))
             for n in args.prompt_lens:
                 r = bench(url, args, args.out, f"{name}_c1_in{n}", n, args.output_len,
                           args.num_prompts, 1)
