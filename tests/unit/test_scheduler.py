@@ -215,6 +215,26 @@ def test_streamed_prefill_to_decode(engines) -> None:
     assert len(sends_of(p)) == 3  # nothing sent after the final chunk
 
 
+def test_groups_whose_hooks_never_fired_are_sent_by_wait_for_save(engines) -> None:
+    """A FULL CUDA-graph replay runs the layers without the per-layer hooks: wait_for_save
+    must still send every layer group of the step, so D gets all of the KV."""
+    p = engines("kv_producer", P_EXTRA, max_num_batched_tokens=CHUNK)
+    p.layer_hooks = False
+    d = engines("kv_consumer")
+    shift_block_ids(d)
+    rd = create_request(150, decode_params("t-graph", p.endpoint), max_tokens=2, seed=9)
+    d.scheduler.add_request(rd)
+    d.step()
+    d_blocks = d.block_ids(rd.request_id)
+    rp = create_request(150, {"do_remote_decode": True, "transfer_id": "t-graph"}, seed=9)
+    p.scheduler.add_request(rp)
+    p.run_until(lambda: rp.request_id in p.finished, others=(d,))
+    d.run_until(lambda: reported(d, "finished_recving", rd.request_id) == 1, others=(p,))
+    assert reported(d, "failed_recving", rd.request_id) == 0
+    assert_kv_arrived(d, rd, d_blocks)
+    run_both_until_idle(p, d)
+
+
 def test_short_prompt_goes_whole_at_the_end_of_the_step(engines) -> None:
     # default min_prompt_tokens=256: a 40-token prompt is not layer-streamed
     p = engines("kv_producer", {"registration_wait_s": 5.0})

@@ -13,6 +13,8 @@ scheduled tokens, then fire ``save_kv_layer``), ``wait_for_save``, ``get_transfe
 
 from __future__ import annotations
 
+import random
+
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -97,9 +99,12 @@ def create_request(num_tokens: int, kv_transfer_params: dict[str, Any] | None,
     n = next(_ids)
     sampling_params = SamplingParams(max_tokens=max_tokens)
     sampling_params.update_from_generation_config({}, EOS_TOKEN_ID)
-    base = 1000 * (seed if seed is not None else n)
+    # Equal seeds give equal prompts (prefix-cache tests rely on it); anything else differs.
+    # (Prompts once were 3 + (1000 * seed + i) % 4000: only four distinct ones, so an unrelated
+    # earlier request could leave a prefix-cache hit on wiped blocks behind, depending on order.)
+    rng = random.Random(f"seed-{seed}" if seed is not None else f"request-{n}")
     req = Request(request_id=request_id or f"req-{n}",
-                  prompt_token_ids=[3 + (base + i) % 4000 for i in range(num_tokens)],
+                  prompt_token_ids=[rng.randrange(3, 4003) for _ in range(num_tokens)],
                   sampling_params=sampling_params, pooling_params=None,
                   block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256))
     req.kv_transfer_params = kv_transfer_params
@@ -154,6 +159,9 @@ class Engine:
     history: list[StepRecord] = field(default_factory=list)
     finished: dict[str, EngineCoreOutput] = field(default_factory=dict)
     sampled_token: int = 7
+    layer_hooks: bool = True
+    """False: the forward writes KV without calling the per-layer hook, as a FULL CUDA-graph
+    replay does on GPU (only ``wait_for_save`` runs)."""
 
     @classmethod
     def create(cls, role: str, extra: dict[str, Any] | None = None, *, num_blocks: int = 64,
@@ -251,7 +259,8 @@ class Engine:
             for blocks, start, end, s in spans:
                 for tok in range(start, end):
                     t[blocks[tok // BLOCK_SIZE], :, tok % BLOCK_SIZE, :] = kv_value(tok, layer, s)
-            self.worker.save_kv_layer(name, t, None)
+            if self.layer_hooks:
+                self.worker.save_kv_layer(name, t, None)
 
     def run_until(self, cond: Callable[[], bool], timeout: float = 10.0,
                   others: tuple[Engine, ...] = ()) -> None:
