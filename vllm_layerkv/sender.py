@@ -164,6 +164,7 @@ class Sender:
                     out.t_first = t
             except TransportError as e:
                 self._set_state(out, "failed", str(e))
+                self._tell_decode_failed(out, str(e))
             finally:
                 out.in_use = False
         self._tracer.event("group_send_end", step=item.step, group=item.group,
@@ -204,6 +205,17 @@ class Sender:
                                endpoint, item.transfer_id, e)
         if out is not None:
             self._set_state(out, "aborted", item.reason, force=True)
+
+    def _tell_decode_failed(self, out: Outgoing, reason: str) -> None:
+        """A write failed on this side (a device copy, an injected fault) while the connection
+        is still up: abort the transfer on D now, or D would wait for kv_wait_timeout_s."""
+        channel = self._channels.get(out.endpoint)
+        if channel is None or not channel.alive:
+            return  # connection lost: D fails the transfer itself
+        try:
+            channel.send_abort(out.transfer_id, f"prefill could not send its KV: {reason}")
+        except TransportError:
+            pass
 
     def _claim(self, transfer_id: str) -> Outgoing | None:
         """The transfer's state marked in use, or None if it is no longer sendable."""

@@ -10,6 +10,7 @@ import pytest
 
 from vllm_layerkv.testing.cluster import ClusterSpec, PDCluster, wait_idle
 from vllm_layerkv.testing.models import model_path
+from vllm_layerkv.transport.faults import ENV as FAULTS_ENV
 
 # Short robustness timeouts so the failure tests finish quickly (defaults: docs/configuration.md)
 PREFILL_EXTRA = {"registration_timeout_s": 6, "ack_timeout_s": 20}
@@ -19,8 +20,10 @@ DECODE_EXTRA = {"kv_wait_timeout_s": 45}
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
     workdir = Path(os.environ.get("LAYERKV_E2E_DIR") or tmp_path_factory.mktemp("pd"))
+    # test-only fault hook on P and D: acts only on transfer_ids that ask for a fault
     spec = ClusterSpec(model=model_path("smollm2"), workdir=workdir,
-                       prefill_extra=PREFILL_EXTRA, decode_extra=DECODE_EXTRA)
+                       prefill_extra=PREFILL_EXTRA, decode_extra=DECODE_EXTRA,
+                       connector_env={FAULTS_ENV: "1"})
     with PDCluster(spec) as c:
         yield c
 

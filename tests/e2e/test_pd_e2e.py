@@ -18,6 +18,7 @@ from prompts import PROMPTS, make_prompt
 
 from vllm_layerkv.testing.cluster import MODEL_NAME, PDCluster, metric, wait_idle
 from vllm_layerkv.testing.servers import get_text, post_json
+from vllm_layerkv.transport import faults
 
 pytestmark = pytest.mark.e2e
 MAX_TOKENS = 24
@@ -245,6 +246,58 @@ def test_prefill_abort_mid_stream_fails_decode_cleanly(cluster: PDCluster,
     th.join(60)
     assert result.get("status", 0) >= 500, result
     assert result["elapsed"] < 30, result
+
+
+def _prefill_and_decode(cluster: PDCluster, tid: str, prompt: str,
+                        max_tokens: int = 4) -> tuple[dict[str, Any], tuple[int, Any]]:
+    """What the proxy does, with our own transfer_id: D and P at once. Returns D's (status,
+    body, seconds) and P's (status, body)."""
+    result: dict[str, Any] = {}
+
+    def decode() -> None:
+        t = time.monotonic()
+        result["status"], result["data"] = post_json(cluster.decode.url + "/v1/completions", {
+            "model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "kv_transfer_params": _decode_params(cluster, tid)}, timeout=120)
+        result["elapsed"] = time.monotonic() - t
+
+    th = threading.Thread(target=decode)
+    th.start()
+    p = post_json(cluster.prefill.url + "/v1/completions", {
+        "model": MODEL_NAME, "prompt": prompt, "max_tokens": 1, "temperature": 0,
+        "kv_transfer_params": {"do_remote_decode": True, "transfer_id": tid}}, timeout=120)
+    th.join(120)
+    return result, p
+
+
+def test_transfer_error_fails_decode_at_once(cluster: PDCluster, no_leaks: None) -> None:
+    """A write that fails on P (test-only fault hook: every write of this transfer) with the
+    connection up: P aborts the transfer on D, which fails the request at once
+    (kv_load_failure_policy=fail) instead of after kv_wait_timeout_s (45 s here)."""
+    tid = faults.WRITE_FAULT_PREFIX + uuid.uuid4().hex
+    d, (p_status, _) = _prefill_and_decode(cluster, tid, make_prompt(400, 21))
+    assert p_status == 200  # P's own request is fine
+    assert d.get("status", 0) >= 500, d
+    assert d["elapsed"] < 15, d
+    assert "injected write fault" in cluster.decode.log_path.read_text()
+
+
+def test_missing_ack_frees_prefill_blocks_after_ack_timeout(cluster: PDCluster,
+                                                            no_leaks: None) -> None:
+    """D completes but its acknowledgement never reaches P (fault hook): P frees the request's
+    blocks after ack_timeout_s (20 s here) and says so."""
+    assert cluster.reference is not None
+    prompt = make_prompt(300, 22)
+    tid = faults.NO_ACK_PREFIX + uuid.uuid4().hex
+    d, (p_status, _) = _prefill_and_decode(cluster, tid, prompt, max_tokens=MAX_TOKENS)
+    assert p_status == 200 and d.get("status") == 200, d
+    assert d["data"]["choices"][0]["text"] == \
+        complete(cluster.reference.url, prompt)["choices"][0]["text"]
+    t = time.monotonic()
+    readings = wait_idle(cluster.prefill, timeout=45)
+    assert not any(readings.values()), readings
+    assert time.monotonic() - t < 45
+    assert "no acknowledgement from decode" in cluster.prefill.log_path.read_text()
 
 
 def test_malformed_kv_transfer_params_get_a_clear_answer(cluster: PDCluster,

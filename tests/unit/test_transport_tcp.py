@@ -23,7 +23,7 @@ from vllm_layerkv.receiver import RecvTable
 from vllm_layerkv.sender import AbortTransfer, FinishTransfer, GroupSend, Outgoing, Sender
 from vllm_layerkv.stats import WorkerStats
 from vllm_layerkv.trace import Tracer
-from vllm_layerkv.transport import framing
+from vllm_layerkv.transport import faults, framing
 from vllm_layerkv.transport.base import TransportError
 from vllm_layerkv.transport.tcp import TcpTransport
 
@@ -580,6 +580,25 @@ def test_abort_from_prefill_fails_the_transfer_on_d(d_side, p_side) -> None:
     time.sleep(0.2)
     assert p.out("t").frames == 1
     assert_copied(p, d, [(1, 1), (2, 2), (3, 3)], layers=[0, 1])
+
+
+def test_write_failure_on_p_fails_the_transfer_on_d_at_once(d_side, p_side,
+                                                           monkeypatch) -> None:
+    """A write that fails on P's side with the connection still up (a failed device copy; here
+    the test-only fault hook) is aborted on D right away, and later groups are not sent."""
+    monkeypatch.setattr(faults, "ENABLED", True)
+    d, p = d_side(), p_side()
+    tid = faults.WRITE_FAULT_PREFIX + "1"
+    d.table.expect(RecvTask("r", tid, [1, 2]))
+    push(p, [task(tid, d, [1, 2], [1, 2], req_id="r")], groups=[(0, 1), (2, 3)])
+    out = p.wait_state(tid, ["failed", "acked"])
+    assert out.state == "failed" and "injected write fault" in out.reason
+    assert d.drain_until(lambda f, x: bool(f or x)) == (set(), {"r"})
+    assert out.frames == 0
+    # the connection is still usable for the next transfer
+    d.table.expect(RecvTask("r2", "t2", [3]))
+    push(p, [task("t2", d, [3], [3], req_id="r2")])
+    assert p.wait_state("t2", ["acked", "failed"]).state == "acked"
 
 
 def test_abort_that_overtakes_the_recv_task_still_fails_it(d_side, p_side) -> None:

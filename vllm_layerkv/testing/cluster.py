@@ -36,6 +36,8 @@ class ClusterSpec:
     default, as the reference instance has)."""
     prefill_extra: dict[str, Any] = field(default_factory=dict)
     decode_extra: dict[str, Any] = field(default_factory=dict)
+    connector_env: dict[str, str] = field(default_factory=dict)
+    """Extra environment of P and D (e.g. LAYERKV_TEST_FAULTS=1 for the failure tests)."""
     with_reference: bool = True
     reference_cpus: str = "0-1"
     max_model_len: int = 4096
@@ -50,12 +52,13 @@ class PDCluster:
         self.prefill = VllmServer(
             spec.model, free_port(), served_model_name=MODEL_NAME, cpu_bind="0",
             log_path=spec.workdir / "prefill.log", max_model_len=spec.max_model_len,
-            max_num_batched_tokens=spec.prefill_batched_tokens,
+            max_num_batched_tokens=spec.prefill_batched_tokens, env=spec.connector_env,
             kv_transfer_config={"kv_connector": "LayerKV", "kv_role": "kv_producer",
                                 "kv_connector_extra_config": p_extra})
         self.decode = VllmServer(
             spec.model, free_port(), served_model_name=MODEL_NAME, cpu_bind="1",
             log_path=spec.workdir / "decode.log", max_model_len=spec.max_model_len,
+            env=spec.connector_env,
             kv_transfer_config={"kv_connector": "LayerKV", "kv_role": "kv_consumer",
                                 "kv_connector_extra_config": dict(spec.decode_extra)})
         self.reference = (VllmServer(

@@ -44,7 +44,7 @@ from vllm_layerkv.protocol import (
     TransferDone,
     WriteGrant,
 )
-from vllm_layerkv.transport import framing
+from vllm_layerkv.transport import faults, framing
 from vllm_layerkv.transport.base import ReceiveSink, SendChannel, Transport, TransportError
 
 if TYPE_CHECKING:
@@ -86,6 +86,8 @@ class TcpSendChannel(SendChannel):
                      dst_blocks: Sequence[int]) -> int:
         if len(src_blocks) != len(dst_blocks):
             raise ValueError("src_blocks and dst_blocks differ in length")
+        if faults.write_fails(transfer_id):
+            raise TransportError(f"injected write fault for {transfer_id} ({faults.ENV})")
         if self._peer_kv is not None:
             return self._write_direct(transfer_id, layers, src_blocks, dst_blocks)
         block_bytes = self._blocks.block_bytes
@@ -311,7 +313,7 @@ class TcpTransport(Transport):
                 elif isinstance(msg, TransferDone):
                     ack = sink.on_done(msg.transfer_id, msg.tp_rank, hello.tp_size, msg.frames,
                                        msg.nbytes)
-                    if ack is not None:
+                    if ack is not None and not faults.ack_dropped(msg.transfer_id):
                         framing.send_message(conn, ack)
                 elif isinstance(msg, TransferAbort):
                     sink.on_abort(msg.transfer_id, msg.reason)
