@@ -400,7 +400,7 @@ class ProxyApp:
                  api_key: str | None = None, trace_path: str = "") -> None:
         self.prefill = RoundRobin(prefill)
         self.tracer = Tracer(trace_path, "proxy", 0)
-        """Per-request timestamps (arrival, D's first bytes, P's answer) by transfer_id, for
+        """Per-request timestamps (arrival, D's first bytes, end) by transfer_id, for
         the TTFT profile (benchmarks/profile_trace.py); off unless --trace is given."""
         self.decode = RoundRobin(decode)
         self.startup_timeout = startup_timeout

@@ -250,8 +250,8 @@ def test_prefill_abort_mid_stream_fails_decode_cleanly(cluster: PDCluster,
 
 def _prefill_and_decode(cluster: PDCluster, tid: str, prompt: str,
                         max_tokens: int = 4) -> tuple[dict[str, Any], tuple[int, Any]]:
-    """What the proxy does, with our own transfer_id: D and P at once. Returns D's (status,
-    body, seconds) and P's (status, body)."""
+    """What the proxy does, with our own transfer_id: D and P at once. Returns D's outcome
+    ({"status", "data", "elapsed"}) and P's (status, body)."""
     result: dict[str, Any] = {}
 
     def decode() -> None:
