@@ -147,12 +147,6 @@ def test_transfer_metrics_exported(cluster: PDCluster) -> None:
 # ------------------------------------------------------------------------- failures
 
 
-def _decode_params(cluster: PDCluster, tid: str, port: int | None = None) -> dict[str, Any]:
-    host, p_port = cluster.prefill_endpoint()
-    return {"do_remote_prefill": True, "transfer_id": tid, "remote_host": host,
-            "remote_port": port or p_port}
-
-
 def test_decode_fails_fast_when_prefill_unreachable(cluster: PDCluster, no_leaks: None) -> None:
     with socket.socket() as s:  # a port with nobody listening
         s.bind(("127.0.0.1", 0))
@@ -160,7 +154,7 @@ def test_decode_fails_fast_when_prefill_unreachable(cluster: PDCluster, no_leaks
     t = time.monotonic()
     status, data = post_json(cluster.decode.url + "/v1/completions", {
         "model": MODEL_NAME, "prompt": make_prompt(50, 1), "max_tokens": 4, "temperature": 0,
-        "kv_transfer_params": _decode_params(cluster, uuid.uuid4().hex, dead_port)}, timeout=60)
+        "kv_transfer_params": cluster.decode_params(uuid.uuid4().hex, dead_port)}, timeout=60)
     assert status >= 500, data
     assert time.monotonic() - t < 10
     assert "cannot reach the prefill instance" in cluster.decode.log_path.read_text()
@@ -172,7 +166,7 @@ def test_decode_times_out_when_kv_never_arrives(cluster: PDCluster, no_leaks: No
     t = time.monotonic()
     status, data = post_json(cluster.decode.url + "/v1/completions", {
         "model": MODEL_NAME, "prompt": make_prompt(80, 2), "max_tokens": 4, "temperature": 0,
-        "kv_transfer_params": _decode_params(cluster, uuid.uuid4().hex)}, timeout=120)
+        "kv_transfer_params": cluster.decode_params(uuid.uuid4().hex)}, timeout=120)
     elapsed = time.monotonic() - t
     assert status >= 500, data
     assert 40 <= elapsed < 90, elapsed
@@ -200,7 +194,7 @@ def test_decode_abort_while_waiting_frees_both_sides(cluster: PDCluster, no_leak
     tid = uuid.uuid4().hex
     body = json.dumps({"model": MODEL_NAME, "prompt": make_prompt(200, 8), "max_tokens": 8,
                        "temperature": 0, "stream": True,
-                       "kv_transfer_params": _decode_params(cluster, tid)}).encode()
+                       "kv_transfer_params": cluster.decode_params(tid)}).encode()
     sock = socket.create_connection(("127.0.0.1", cluster.decode.port))
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
                  b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
@@ -224,7 +218,7 @@ def test_prefill_abort_mid_stream_fails_decode_cleanly(cluster: PDCluster,
         t = time.monotonic()
         result["status"], result["data"] = post_json(cluster.decode.url + "/v1/completions", {
             "model": MODEL_NAME, "prompt": prompt, "max_tokens": 4, "temperature": 0,
-            "kv_transfer_params": _decode_params(cluster, tid)}, timeout=120)
+            "kv_transfer_params": cluster.decode_params(tid)}, timeout=120)
         result["elapsed"] = time.monotonic() - t
 
     th = threading.Thread(target=decode)
@@ -248,34 +242,12 @@ def test_prefill_abort_mid_stream_fails_decode_cleanly(cluster: PDCluster,
     assert result["elapsed"] < 30, result
 
 
-def _prefill_and_decode(cluster: PDCluster, tid: str, prompt: str,
-                        max_tokens: int = 4) -> tuple[dict[str, Any], tuple[int, Any]]:
-    """What the proxy does, with our own transfer_id: D and P at once. Returns D's outcome
-    ({"status", "data", "elapsed"}) and P's (status, body)."""
-    result: dict[str, Any] = {}
-
-    def decode() -> None:
-        t = time.monotonic()
-        result["status"], result["data"] = post_json(cluster.decode.url + "/v1/completions", {
-            "model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "kv_transfer_params": _decode_params(cluster, tid)}, timeout=120)
-        result["elapsed"] = time.monotonic() - t
-
-    th = threading.Thread(target=decode)
-    th.start()
-    p = post_json(cluster.prefill.url + "/v1/completions", {
-        "model": MODEL_NAME, "prompt": prompt, "max_tokens": 1, "temperature": 0,
-        "kv_transfer_params": {"do_remote_decode": True, "transfer_id": tid}}, timeout=120)
-    th.join(120)
-    return result, p
-
-
 def test_transfer_error_fails_decode_at_once(cluster: PDCluster, no_leaks: None) -> None:
     """A write that fails on P (test-only fault hook: every write of this transfer) with the
     connection up: P aborts the transfer on D, which fails the request at once
     (kv_load_failure_policy=fail) instead of after kv_wait_timeout_s (45 s here)."""
     tid = faults.WRITE_FAULT_PREFIX + uuid.uuid4().hex
-    d, (p_status, _) = _prefill_and_decode(cluster, tid, make_prompt(400, 21))
+    d, (p_status, _) = cluster.prefill_and_decode(tid, make_prompt(400, 21))
     assert p_status == 200  # P's own request is fine
     assert d.get("status", 0) >= 500, d
     assert d["elapsed"] < 15, d
@@ -289,7 +261,7 @@ def test_missing_ack_frees_prefill_blocks_after_ack_timeout(cluster: PDCluster,
     assert cluster.reference is not None
     prompt = make_prompt(300, 22)
     tid = faults.NO_ACK_PREFIX + uuid.uuid4().hex
-    d, (p_status, _) = _prefill_and_decode(cluster, tid, prompt, max_tokens=MAX_TOKENS)
+    d, (p_status, _) = cluster.prefill_and_decode(tid, prompt, max_tokens=MAX_TOKENS)
     assert p_status == 200 and d.get("status") == 200, d
     assert d["data"]["choices"][0]["text"] == \
         complete(cluster.reference.url, prompt)["choices"][0]["text"]

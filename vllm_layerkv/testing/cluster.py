@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,7 @@ from vllm_layerkv.testing.servers import (
     VllmServer,
     free_port,
     get_text,
+    post_json,
     start_all,
     stop_all,
 )
@@ -36,6 +38,10 @@ class ClusterSpec:
     default, as the reference instance has)."""
     prefill_extra: dict[str, Any] = field(default_factory=dict)
     decode_extra: dict[str, Any] = field(default_factory=dict)
+    decode_args: list[str] = field(default_factory=list)
+    """Extra `vllm serve` arguments of D (e.g. another --block-size)."""
+    decode_kv_config: dict[str, Any] = field(default_factory=dict)
+    """Extra KVTransferConfig fields of D (e.g. kv_load_failure_policy)."""
     connector_env: dict[str, str] = field(default_factory=dict)
     """Extra environment of P and D (e.g. LAYERKV_TEST_FAULTS=1 for the failure tests)."""
     with_reference: bool = True
@@ -58,9 +64,10 @@ class PDCluster:
         self.decode = VllmServer(
             spec.model, free_port(), served_model_name=MODEL_NAME, cpu_bind="1",
             log_path=spec.workdir / "decode.log", max_model_len=spec.max_model_len,
-            env=spec.connector_env,
+            env=spec.connector_env, extra_args=spec.decode_args,
             kv_transfer_config={"kv_connector": "LayerKV", "kv_role": "kv_consumer",
-                                "kv_connector_extra_config": dict(spec.decode_extra)})
+                                "kv_connector_extra_config": dict(spec.decode_extra),
+                                **spec.decode_kv_config})
         self.reference = (VllmServer(
             spec.model, free_port(), served_model_name=MODEL_NAME, cpu_bind=spec.reference_cpus,
             log_path=spec.workdir / "reference.log", max_model_len=spec.max_model_len)
@@ -104,6 +111,60 @@ class PDCluster:
                           kv_transfer_params={"layerkv_discover": True})
         host, port = resp["kv_transfer_params"]["layerkv_endpoint"].rsplit(":", 1)
         return host, int(port)
+
+    def decode_params(self, transfer_id: str, port: int | None = None) -> dict[str, Any]:
+        """kv_transfer_params of a decode request for ``transfer_id`` (P's endpoint, or
+        ``port`` instead of P's registration port)."""
+        host, p_port = self.prefill_endpoint()
+        return {"do_remote_prefill": True, "transfer_id": transfer_id, "remote_host": host,
+                "remote_port": port or p_port}
+
+    def prefill_and_decode(self, transfer_id: str, prompt: str, max_tokens: int = 4,
+                           on_streaming: Any = None) -> tuple[dict[str, Any], tuple[int, Any]]:
+        """What the proxy does, with the caller's transfer_id: D and P at once, greedy.
+        ``on_streaming()`` is called once P's trace shows the transfer's first chunk planned
+        (P is streaming). Returns D's outcome ({"status", "data", "elapsed"}) and P's
+        (status, body); a request that could not be answered has status 0."""
+        result: dict[str, Any] = {"status": 0}
+
+        def decode() -> None:
+            t = time.monotonic()
+            try:
+                result["status"], result["data"] = post_json(
+                    self.decode.url + "/v1/completions", {
+                        "model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens,
+                        "temperature": 0, "kv_transfer_params": self.decode_params(transfer_id)},
+                    timeout=120)
+            except OSError as e:
+                result["data"] = repr(e)
+            result["elapsed"] = time.monotonic() - t
+
+        def streaming() -> bool:
+            return any(e["ev"] == "step_plan" and transfer_id in e.get("transfer_ids", [])
+                       for e in self.trace_events())
+
+        th = threading.Thread(target=decode)
+        th.start()
+        watcher = None
+        if on_streaming is not None:
+            def watch() -> None:
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline and not streaming():
+                    time.sleep(0.05)
+                on_streaming()
+            watcher = threading.Thread(target=watch)
+            watcher.start()
+        try:
+            p: tuple[int, Any] = post_json(self.prefill.url + "/v1/completions", {
+                "model": MODEL_NAME, "prompt": prompt, "max_tokens": 1, "temperature": 0,
+                "kv_transfer_params": {"do_remote_decode": True, "transfer_id": transfer_id}},
+                timeout=120)
+        except OSError as e:
+            p = (0, repr(e))
+        if watcher is not None:
+            watcher.join(90)
+        th.join(120)
+        return result, p
 
     def trace_events(self) -> list[dict[str, Any]]:
         path = Path(self.trace_path + ".p.0")

@@ -422,6 +422,13 @@ class VllmServer:
             self._pgid = None
             return proc.returncode
 
+    def kill(self) -> None:
+        """SIGKILL the whole process group at once, as a crash or the OOM killer would (the
+        failure tests); ``stop()`` afterwards only reaps."""
+        with self._lock:
+            if self._pgid is not None:
+                self._signal_group(self._pgid, signal.SIGKILL)
+
     @staticmethod
     def _signal_group(pgid: int, sig: signal.Signals) -> None:
         try:

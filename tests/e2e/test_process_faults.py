@@ -1,0 +1,98 @@
+"""Failures that need servers of their own: a prefill or decode process killed (SIGKILL) while
+KV streams, a decode instance whose KV layout does not match the prefill's, and
+kv_load_failure_policy=recompute after a failed transfer. Each test starts its own P + D (no
+reference, ~1 min on CPU) beside the shared e2e cluster."""
+
+from __future__ import annotations
+
+import re
+import uuid
+from pathlib import Path
+
+import pytest
+
+from prompts import make_prompt
+
+from vllm_layerkv.testing.cluster import ClusterSpec, PDCluster, wait_idle
+from vllm_layerkv.testing.models import model_path
+from vllm_layerkv.transport import faults
+
+pytestmark = pytest.mark.e2e
+LONG_PROMPT = make_prompt(2800, 31)  # ~3,100 tokens: ~12 chunks of 256 on P
+
+
+def start_pair(tmp_path: Path, **spec_kw) -> PDCluster:
+    spec = ClusterSpec(model=model_path("smollm2"), workdir=tmp_path, with_reference=False,
+                       prefill_extra={"registration_timeout_s": 6, "ack_timeout_s": 20},
+                       decode_extra={"kv_wait_timeout_s": 45},
+                       connector_env={faults.ENV: "1"}, **spec_kw)
+    return PDCluster(spec).start()
+
+
+def assert_idle(cluster: PDCluster, *which: str) -> None:
+    for name in which:
+        readings = wait_idle(getattr(cluster, name), timeout=30)
+        assert not any(readings.values()), f"{name} leaked: {readings}"
+
+
+def test_prefill_killed_mid_stream_fails_decode(tmp_path: Path) -> None:
+    """P is SIGKILLed while it streams: D sees the data connection drop and fails the request
+    well before kv_wait_timeout_s, and frees its blocks."""
+    cluster = start_pair(tmp_path)
+    try:
+        d, _ = cluster.prefill_and_decode(uuid.uuid4().hex, LONG_PROMPT,
+                                          on_streaming=cluster.prefill.kill)
+        assert d["status"] >= 500, d
+        assert d["elapsed"] < 30, d
+        assert_idle(cluster, "decode")
+        assert cluster.decode.poll_ready()  # D still serves
+    finally:
+        cluster.stop()
+
+
+def test_decode_killed_while_prefill_streams(tmp_path: Path) -> None:
+    """D is SIGKILLed while P streams into it: P's sender loses the connection, P still answers
+    its own request, and frees the request's blocks at once (no acknowledgement will come)."""
+    cluster = start_pair(tmp_path)
+    try:
+        _, (p_status, _) = cluster.prefill_and_decode(uuid.uuid4().hex, LONG_PROMPT,
+                                                      on_streaming=cluster.decode.kill)
+        assert p_status == 200
+        assert_idle(cluster, "prefill")
+        assert re.search(r"LayerKV transfer \S+ \(request .*\) to .* failed",
+                         cluster.prefill.log_path.read_text())
+        assert cluster.prefill.poll_ready()
+    finally:
+        cluster.stop()
+
+
+def test_kv_layout_mismatch_is_refused_at_registration(tmp_path: Path) -> None:
+    """D runs with another block size than P: P refuses D's registration naming the differing
+    field, and D fails the request at once instead of waiting for KV."""
+    cluster = start_pair(tmp_path, decode_args=["--block-size", "32"])
+    try:
+        d, (p_status, _) = cluster.prefill_and_decode(uuid.uuid4().hex, make_prompt(200, 32))
+        assert d["status"] >= 500, d
+        assert d["elapsed"] < 15, d
+        assert "block_size" in cluster.decode.log_path.read_text()
+        assert_idle(cluster, "decode", "prefill")
+    finally:
+        cluster.stop()
+
+
+def test_recompute_policy_serves_the_request_after_a_failed_transfer(tmp_path: Path) -> None:
+    """kv_load_failure_policy=recompute on D: a transfer that fails (fault hook) is recomputed
+    on D, and the answer equals what D computes for the prompt on its own."""
+    cluster = start_pair(tmp_path, decode_kv_config={"kv_load_failure_policy": "recompute"})
+    try:
+        prompt = make_prompt(300, 33)
+        d, _ = cluster.prefill_and_decode(faults.WRITE_FAULT_PREFIX + uuid.uuid4().hex, prompt,
+                                          max_tokens=12)
+        assert d["status"] == 200, d
+        # afterwards (before, D's prefix cache would have made the transfer unnecessary)
+        local = cluster.decode.completion(prompt, 12)["choices"][0]["text"]
+        assert d["data"]["choices"][0]["text"] == local
+        assert "injected write fault" in cluster.decode.log_path.read_text()
+        assert_idle(cluster, "decode", "prefill")
+    finally:
+        cluster.stop()
