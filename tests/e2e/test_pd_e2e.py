@@ -251,6 +251,7 @@ def test_transfer_error_fails_decode_at_once(cluster: PDCluster, no_leaks: None)
     assert p_status == 200  # P's own request is fine
     assert d.get("status", 0) >= 500, d
     assert d["elapsed"] < 15, d
+    assert "Traceback" not in json.dumps(d["data"])  # an error message, not a stack
     assert "injected write fault" in cluster.decode.log_path.read_text()
 
 

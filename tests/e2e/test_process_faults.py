@@ -5,6 +5,7 @@ reference, ~1 min on CPU) beside the shared e2e cluster."""
 
 from __future__ import annotations
 
+import json
 import re
 import uuid
 from pathlib import Path
@@ -74,6 +75,7 @@ def test_kv_layout_mismatch_is_refused_at_registration(tmp_path: Path) -> None:
         d, (p_status, _) = cluster.prefill_and_decode(uuid.uuid4().hex, make_prompt(200, 32))
         assert d["status"] >= 500, d
         assert d["elapsed"] < 15, d
+        assert "Traceback" not in json.dumps(d["data"])
         assert "block_size" in cluster.decode.log_path.read_text()
         assert_idle(cluster, "decode", "prefill")
     finally:
