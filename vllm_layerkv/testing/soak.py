@@ -225,6 +225,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/layerkv-soak"))
     ap.add_argument("--json", type=Path, help="write the result here too")
     args = ap.parse_args(argv)
+    if args.requests < 1 or args.concurrency < 1 or args.max_tokens < 1:
+        ap.error("--requests, --concurrency and --max-tokens must be at least 1")
+    if not 0.0 <= args.abort_fraction <= 1.0:
+        ap.error(f"--abort-fraction {args.abort_fraction} must be between 0 and 1")
     config = SoakConfig(requests=args.requests, concurrency=args.concurrency,
                         abort_fraction=args.abort_fraction, max_tokens=args.max_tokens,
                         seed=args.seed)
