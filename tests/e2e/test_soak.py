@@ -27,7 +27,8 @@ def test_soak_no_wrong_no_hung_no_leak(cluster: PDCluster, no_leaks: None) -> No
     assert not result.hung, report
     assert not result.errors, report
     assert result.completed + result.aborted == config.requests, report
-    assert result.aborted >= 5, report  # the aborts did happen (seeded: ~16 of 160)
+    # the aborts did happen, in both phases (seeded: ~16 of 160)
+    assert result.aborted_before_answer >= 2 and result.aborted_while_streaming >= 2, report
     assert result.completed >= 130, report
     # both servers still serve after the run (the no_leaks fixture then checks their blocks)
     assert cluster.prefill.poll_ready() and cluster.decode.poll_ready()

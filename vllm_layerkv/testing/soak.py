@@ -59,7 +59,11 @@ class SoakResult:
     sent: int = 0
     completed: int = 0
     aborted: int = 0
-    """Requests this run disconnected on purpose (during prefill or during decode)."""
+    """Requests this run disconnected on purpose: the two below."""
+    aborted_before_answer: int = 0
+    """... before the proxy answered (P and D both busy with the request)."""
+    aborted_while_streaming: int = 0
+    """... after D's first tokens (D decoding)."""
     wrong: list[dict[str, Any]] = field(default_factory=list)
     hung: list[dict[str, Any]] = field(default_factory=list)
     errors: list[dict[str, Any]] = field(default_factory=list)
@@ -127,6 +131,10 @@ def run_soak(proxy_url: str, prompts: list[str], references: list[str],
                 latencies.append(time.monotonic() - t0)
             elif outcome == "aborted":
                 result.aborted += 1
+                if abort is not None and abort[0] == "prefill":
+                    result.aborted_before_answer += 1
+                else:
+                    result.aborted_while_streaming += 1
             else:
                 getattr(result, outcome).append(record)
 
