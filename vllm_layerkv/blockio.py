@@ -43,6 +43,9 @@ class BlockIO:
 
     block_bytes: int
     num_layers: int
+    tensors: list[torch.Tensor]
+    """Per layer, the KV as a ``[num_blocks, block_bytes]`` uint8 view (for direct planes,
+    which address KV memory themselves)."""
 
     def read(self, layers: Sequence[int], blocks: Sequence[int]) -> Iterator[memoryview]:
         """Buffers whose concatenation is the payload for (layers, blocks). Each buffer is valid
@@ -58,6 +61,7 @@ class BlockIO:
 class HostBlockIO(BlockIO):
     def __init__(self, layout: KVLayout):
         self._views = layout.host_block_views()
+        self.tensors = layout.block_tensors()
         self.block_bytes = layout.block_bytes
         self.num_layers = layout.num_layers
 
@@ -77,10 +81,8 @@ class StagedBlockIO(BlockIO):
 
     def __init__(self, layout: KVLayout):
         self._layout = layout
-        self.device_blocks = [t.view(torch.uint8).view(layout.num_blocks, layout.block_bytes)
-                              for t in layout.tensors]
-        """Per layer, the KV as a ``[num_blocks, block_bytes]`` uint8 device view."""
-        self._blocks = self.device_blocks
+        self.tensors = layout.block_tensors()
+        self._blocks = self.tensors
         self.block_bytes = layout.block_bytes
         self.num_layers = layout.num_layers
         self._device = layout.device

@@ -13,7 +13,8 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-TRANSPORTS = ("auto", "tcp", "cuda_ipc")
+TRANSPORTS = ("auto", "tcp", "cuda_ipc", "nixl", "mooncake")
+MOONCAKE_PROTOCOLS = ("tcp", "rdma")
 
 
 class ConfigError(ValueError):
@@ -33,9 +34,19 @@ class LayerKVConfig:
     """D only: first TCP port of the data listeners; TP rank r listens on data_port + r.
     0 = any free port (published to the scheduler through vLLM's handshake metadata)."""
     transport: str = "auto"
-    """Byte mover. "auto": TCP, except that P and D on one host with KV on CUDA devices copy
-    device to device through CUDA IPC. "tcp": always bytes over TCP (pinned host staging on
-    GPU). "cuda_ipc": device to device only; a peer that cannot be mapped fails the transfer."""
+    """How KV moves. "auto": per decode peer, CUDA IPC when P and D share a host and keep KV on
+    CUDA devices, else NIXL if installed, else Mooncake if installed, else bytes over TCP.
+    "tcp": always bytes over TCP (pinned host staging on GPU). "cuda_ipc" / "nixl" /
+    "mooncake": that engine only; a peer it cannot reach fails the transfer with the reason.
+    Control messages always use LayerKV's TCP connection."""
+    nixl_backends: str = "UCX"
+    """transport nixl/auto: comma-separated NIXL backends for the agent (e.g. "UCX",
+    "LIBFABRIC"). UCX's own settings (UCX_TLS, UCX_NET_DEVICES) come from the environment."""
+    mooncake_protocol: str = "tcp"
+    """transport mooncake/auto: the TransferEngine protocol, "tcp" or "rdma"."""
+    mooncake_device: str = ""
+    """transport mooncake/auto with rdma: RDMA device names for the engine (e.g.
+    "mlx5_0,mlx5_1"); empty lets Mooncake choose."""
 
     # --- layer-group streaming -----------------------------------------------------------
     layerwise: bool = True
@@ -113,6 +124,13 @@ class LayerKVConfig:
 
         need(self.transport in TRANSPORTS,
              f"transport={self.transport!r} is not available; use one of {list(TRANSPORTS)}")
+        need(self.mooncake_protocol in MOONCAKE_PROTOCOLS,
+             f"mooncake_protocol={self.mooncake_protocol!r} is not supported; use one of "
+             f"{list(MOONCAKE_PROTOCOLS)}")
+        need(bool(self.nixl_backends.strip()) and all(
+            b.strip() for b in self.nixl_backends.split(",")),
+             f"nixl_backends={self.nixl_backends!r} must name at least one NIXL backend, "
+             "comma-separated (e.g. UCX)")
         for name in ("registration_port", "data_port"):
             port = getattr(self, name)
             need(0 <= port <= 65535, f"{name}={port} is not a TCP port; use 0..65535 (0 = any)")

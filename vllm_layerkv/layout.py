@@ -107,6 +107,11 @@ class KVLayout:
     def num_layers(self) -> int:
         return len(self.tensors)
 
+    def block_tensors(self) -> list[torch.Tensor]:
+        """Per layer, a ``[num_blocks, block_bytes]`` uint8 view of the KV, on its device."""
+        return [t.view(torch.uint8).view(self.num_blocks, self.block_bytes)
+                for t in self.tensors]
+
     def host_block_views(self) -> list[np.ndarray]:
         """Per layer, a ``[num_blocks, block_bytes]`` uint8 numpy view over host KV memory.
 
@@ -115,10 +120,7 @@ class KVLayout:
             raise LayoutError(
                 f"KV cache is on {self.device}; the host-memory path needs CPU tensors"
             )
-        return [
-            t.view(torch.uint8).view(self.num_blocks, self.block_bytes).numpy()
-            for t in self.tensors
-        ]
+        return [t.numpy() for t in self.block_tensors()]
 
 
 def attention_spec(kv_cache_config: "object"):

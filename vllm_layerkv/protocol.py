@@ -7,10 +7,12 @@ Two channels use it:
 * the **data channel**, P worker -> D worker: ``Hello`` (compatibility check) answered by
   ``HelloAck`` / ``Refused``; then ``BlockData`` headers each followed by raw KV bytes,
   ``TransferDone`` / ``TransferAbort``; D answers each finished transfer with ``TransferAck``.
-  When P and D share a host and both keep KV on CUDA devices, ``HelloAck`` carries D's KV as
-  CUDA IPC handles (``KVExport``) and P copies blocks device to device itself: each copy is
-  bracketed by ``DirectWrite`` (P asks) / ``WriteGrant`` (D allows) / ``DirectWritten`` (P is
-  done), so D's bookkeeping guards its blocks exactly as it does for bytes it receives.
+  When P can write into D's memory itself (``Hello.direct`` lists how: CUDA IPC on one host,
+  NIXL, Mooncake), ``HelloAck.exports`` carries what P needs for each (``KVExport`` IPC
+  handles, ``NixlExport`` agent metadata, ``MooncakeExport`` session) and P moves blocks
+  itself: each write is bracketed by ``DirectWrite`` (P asks) / ``WriteGrant`` (D allows) /
+  ``DirectWritten`` (P is done), so D's bookkeeping guards its blocks exactly as it does for
+  bytes it receives.
 
 Framing: a 4-byte big-endian length, then the msgpack-encoded message (a tagged union, so the
 receiver decodes without knowing the type). ``BlockData`` is followed by ``nbytes`` of payload.
@@ -27,7 +29,7 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 FRAME_HEADER = struct.Struct("!I")
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
@@ -127,10 +129,11 @@ class Hello(msgspec.Struct, tag=True, kw_only=True):
     tp_rank: int
     tp_size: int
     host_id: str = ""
-    """P's host identity (boot id + hostname); D offers device-direct copies only to its own
+    """P's host identity (boot id + hostname); D offers CUDA IPC handles only to its own
     host."""
-    want_direct: bool = False
-    """P keeps KV on a CUDA device and may copy device to device (transport auto/cuda_ipc)."""
+    direct: list[str] = []
+    """Direct-write planes P can drive, in P's order of preference ("cuda_ipc", "nixl",
+    "mooncake"); empty: P only sends bytes."""
 
 
 class IpcTensor(msgspec.Struct, kw_only=True):
@@ -148,7 +151,7 @@ class IpcTensor(msgspec.Struct, kw_only=True):
     event_sync_required: bool
 
 
-class KVExport(msgspec.Struct, kw_only=True):
+class KVExport(msgspec.Struct, tag="cuda_ipc", kw_only=True):
     """D's KV cache, mappable by a process on the same host (``transport/cuda_ipc.py``)."""
 
     host_id: str
@@ -158,10 +161,39 @@ class KVExport(msgspec.Struct, kw_only=True):
     layers: list[IpcTensor]
 
 
+class NixlExport(msgspec.Struct, tag="nixl", kw_only=True):
+    """D's KV registered with a NIXL agent (``transport/nixl.py``): P adds the agent from its
+    metadata and posts WRITEs to ``layer_addrs[layer] + block * block_bytes``."""
+
+    agent_name: str
+    agent_metadata: bytes
+    mem_type: str
+    """"DRAM" or "VRAM"."""
+    device_id: int
+    num_blocks: int
+    block_bytes: int
+    layer_addrs: list[int]
+
+
+class MooncakeExport(msgspec.Struct, tag="mooncake", kw_only=True):
+    """D's KV registered with a Mooncake TransferEngine (``transport/mooncake.py``)."""
+
+    session: str
+    """host:rpc_port of D's engine (P2P handshake, no metadata server)."""
+    protocol: str
+    num_blocks: int
+    block_bytes: int
+    layer_addrs: list[int]
+
+
+DirectExport = Union[KVExport, NixlExport, MooncakeExport]
+
+
 class HelloAck(msgspec.Struct, tag=True, kw_only=True):
     tp_rank: int
-    kv_export: KVExport | None = None
-    """D's KV as IPC handles when P asked for it and shares D's host; None: send bytes."""
+    exports: list[DirectExport] = []
+    """How P may write into D's KV itself, for the planes P listed that D offers to it; empty:
+    send bytes."""
 
 
 class BlockData(msgspec.Struct, tag=True, kw_only=True):

@@ -63,7 +63,7 @@ class LayerKVWorker:
             logger.info("LayerKV: %d distinct KV tensors for %d attention layers (KV sharing)",
                         layout.num_layers, self._compat.num_layers)
         blocks = block_io_for(layout)
-        self._transport = create_transport(self._config.transport, blocks)
+        self._transport = create_transport(self._config.transport, blocks, self._config)
         if self._is_producer:
             hello = Hello(compat=self._compat, engine_id=self._engine_id,
                           tp_rank=self._tp_rank, tp_size=self._tp_size)

@@ -195,8 +195,19 @@ def test_bad_values_name_the_setting(extra: dict, name: str) -> None:
 
 def test_transport_error_lists_the_choices() -> None:
     with pytest.raises(ConfigError) as e:
-        LayerKVConfig.from_extra_config({"transport": "nixl"})
-    assert "'auto'" in str(e.value) and "'tcp'" in str(e.value)
+        LayerKVConfig.from_extra_config({"transport": "rdma"})
+    for choice in ("auto", "tcp", "cuda_ipc", "nixl", "mooncake"):
+        assert f"'{choice}'" in str(e.value)
+
+
+@pytest.mark.parametrize("extra, name", [
+    ({"mooncake_protocol": "udp"}, "mooncake_protocol"),
+    ({"nixl_backends": ""}, "nixl_backends"),
+    ({"nixl_backends": "UCX,,"}, "nixl_backends"),
+])
+def test_bad_engine_settings_name_the_setting(extra: dict, name: str) -> None:
+    with pytest.raises(ConfigError, match=name):
+        LayerKVConfig.from_extra_config(extra)
 
 
 def test_config_error_is_a_value_error() -> None:

@@ -24,6 +24,8 @@ from vllm_layerkv.protocol import (
     HelloAck,
     IpcTensor,
     KVExport,
+    MooncakeExport,
+    NixlExport,
     ProtocolError,
     Refused,
     Register,
@@ -50,13 +52,21 @@ MESSAGES = [
     Refused(transfer_id="t-3", reason="model: 'a' != 'b'"),
     Hello(compat=COMPAT, engine_id="p-engine", tp_rank=1, tp_size=2),
     Hello(compat=COMPAT, engine_id="p-engine", tp_rank=0, tp_size=1, host_id="h/boot",
-          want_direct=True),
+          direct=["cuda_ipc", "nixl"]),
     HelloAck(tp_rank=1),
-    HelloAck(tp_rank=0, kv_export=KVExport(
-        host_id="h/boot", device_uuid="GPU-1234", num_blocks=1000, block_bytes=65536,
-        layers=[IpcTensor(handle=b"\x00\x01" * 32, storage_size=65536000, storage_offset=512,
-                          tensor_offset=0, ref_counter_handle=b"/torch_1_2", ref_counter_offset=3,
-                          event_handle=b"", event_sync_required=False)])),
+    HelloAck(tp_rank=0, exports=[
+        KVExport(
+            host_id="h/boot", device_uuid="GPU-1234", num_blocks=1000, block_bytes=65536,
+            layers=[IpcTensor(handle=b"\x00\x01" * 32, storage_size=65536000,
+                              storage_offset=512, tensor_offset=0,
+                              ref_counter_handle=b"/torch_1_2", ref_counter_offset=3,
+                              event_handle=b"", event_sync_required=False)]),
+        NixlExport(agent_name="layerkv-ab12", agent_metadata=b"\x00meta" * 40,
+                   mem_type="VRAM", device_id=1, num_blocks=1000, block_bytes=65536,
+                   layer_addrs=[2**47 + i * 65536000 for i in range(4)]),
+        MooncakeExport(session="10.0.0.2:15223", protocol="tcp", num_blocks=1000,
+                       block_bytes=65536, layer_addrs=[2**40, 2**40 + 65536000]),
+    ]),
     DirectWrite(transfer_id="t-1", seq=7, layers=[4, 5], dst_blocks=[9, 10]),
     WriteGrant(seq=7, ok=True),
     DirectWritten(transfer_id="t-1", seq=7, nbytes=2 * 2 * 65536),
@@ -106,7 +116,7 @@ def test_frame_is_length_prefixed_msgpack() -> None:
     assert length == len(frame) - 4
     body = msgspec.msgpack.decode(frame[4:])
     # tagged union: decodable without a type
-    assert body == {"type": "HelloAck", "tp_rank": 3, "kv_export": None}
+    assert body == {"type": "HelloAck", "tp_rank": 3, "exports": []}
     assert decode(frame[4:]) == HelloAck(tp_rank=3)
 
 

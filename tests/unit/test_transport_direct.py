@@ -1,4 +1,5 @@
-"""Device-direct transfers (``transport`` auto / cuda_ipc) on real sockets, on CPU.
+"""Direct writes through the grant protocol (``transport`` auto / cuda_ipc) on real sockets, on
+CPU.
 
 CUDA IPC itself needs GPUs (tests/gpu/test_cuda_ipc.py runs it across two processes). What this
 file checks is everything around the mapping, which is the same code on CPU: the handshake that
@@ -6,6 +7,7 @@ offers and accepts D's KV, the grant protocol (``DirectWrite`` / ``WriteGrant`` 
 ``DirectWritten``) that lets D's ``RecvTable`` guard its blocks against a writer it does not
 drive, the fallbacks, and the block-copy function P uses. ``HostPeering`` stands in for the
 mapping only: "exporting" registers D's host tensors in this process, "mapping" looks them up.
+(The NIXL and Mooncake planes run for real on CPU: test_transport_conformance.py.)
 """
 
 from __future__ import annotations
@@ -43,31 +45,25 @@ from vllm_layerkv.stats import WorkerStats
 from vllm_layerkv.trace import Tracer
 from vllm_layerkv.transport import create_transport, framing
 from vllm_layerkv.transport.base import TransportError
-from vllm_layerkv.transport.cuda_ipc import (
-    MAX_RUN_COPIES,
-    DirectPeering,
-    DirectUnavailable,
-    copy_blocks,
-    host_id,
-    paired_runs,
-)
+from vllm_layerkv.transport.cuda_ipc import MAX_RUN_COPIES, CudaIpcPlane, copy_blocks
+from vllm_layerkv.transport.direct import DirectUnavailable, PeerWriter, host_id, paired_runs
 from vllm_layerkv.transport.tcp import TcpTransport
 
 _EXPORTED: dict[str, list[torch.Tensor]] = {}
 
 
-class HostPeerKV:
+class HostPeerKV(PeerWriter):
     """What ``PeerKV`` is after mapping: D's blocks plus a copy on them. ``gate`` holds copies."""
 
     def __init__(self, local: list[torch.Tensor], remote: list[torch.Tensor],
                  gate: threading.Event | None):
         self._src, self._dst, self._gate = local, remote, gate
-        self.peer_device = "host-double"
+        self.description = "host-double"
         self.copies = 0
         self.in_copy = threading.Event()
 
-    def copy(self, layers: Sequence[int], src_blocks: Sequence[int],
-             dst_blocks: Sequence[int]) -> int:
+    def write(self, layers: Sequence[int], src_blocks: Sequence[int],
+              dst_blocks: Sequence[int]) -> int:
         self.in_copy.set()
         if self._gate is not None:
             assert self._gate.wait(TIMEOUT)
@@ -75,28 +71,26 @@ class HostPeerKV:
         return copy_blocks(self._src, self._dst, layers, src_blocks, dst_blocks)
 
 
-class HostPeering(DirectPeering):
-    """``DirectPeering`` with the CUDA IPC export / map replaced by an in-process registry."""
+class HostPeering(CudaIpcPlane):
+    """``CudaIpcPlane`` with the CUDA IPC export / map replaced by an in-process registry."""
 
-    def __init__(self, layout: KVLayout, required: bool = False,
-                 gate: threading.Event | None = None, mappable: bool = True):
-        views = [t.view(torch.uint8).view(layout.num_blocks, layout.block_bytes)
-                 for t in layout.tensors]
-        super().__init__(views, required)
+    def __init__(self, layout: KVLayout, gate: threading.Event | None = None,
+                 mappable: bool = True):
+        super().__init__(layout.block_tensors())
         self._gate, self._mappable = gate, mappable
         self.mapped: list[HostPeerKV] = []
 
-    def prepare_export(self) -> None:
+    def prepare(self) -> None:
         token = uuid.uuid4().hex
-        _EXPORTED[token] = self._local
+        _EXPORTED[token] = self.local
         self._export = KVExport(host_id=host_id(), device_uuid=token,
-                                num_blocks=self._local[0].shape[0],
-                                block_bytes=self._local[0].shape[1], layers=[])
+                                num_blocks=self.local[0].shape[0],
+                                block_bytes=self.local[0].shape[1], layers=[])
 
     def attach(self, export: KVExport) -> HostPeerKV:
         if not self._mappable:
             raise DirectUnavailable("peer GPU not reachable (test)")
-        peer = HostPeerKV(self._local, _EXPORTED[export.device_uuid], self._gate)
+        peer = HostPeerKV(self.local, _EXPORTED[export.device_uuid], self._gate)
         self.mapped.append(peer)
         return peer
 
@@ -106,17 +100,18 @@ def start_d(direct: bool = True, unknown_wait_s: float = 0.3) -> DSide:
     stats = WorkerStats()
     table = RecvTable(compat(), tp_rank=0, tp_size=1, unknown_wait_s=unknown_wait_s,
                       stats=stats)
-    transport = TcpTransport(HostPeering(layout) if direct else None)
+    transport = TcpTransport([HostPeering(layout)] if direct else [])
     endpoint = transport.start_receiver("127.0.0.1", 0, table, HostBlockIO(layout), 5.0)
     return DSide(table, transport, endpoint, layout, stats)
 
 
-def start_p(**peering) -> tuple[PSide, HostPeering]:
+def start_p(required: bool = False, **peering) -> tuple[PSide, HostPeering]:
     layout = KVLayout.from_kv_caches(make_caches(None, seed=1), NUM_BLOCKS)
     stats = WorkerStats()
     peering_ = HostPeering(layout, **peering)
     hello = Hello(compat=compat(), engine_id="prefill-0", tp_rank=0, tp_size=1)
-    sender = Sender(TcpTransport(peering_), HostBlockIO(layout), hello, tp_rank=0,
+    transport = TcpTransport([peering_], required="cuda_ipc" if required else "")
+    sender = Sender(transport, HostBlockIO(layout), hello, tp_rank=0,
                     connect_timeout=2.0, io_timeout=5.0, stats=stats, tracer=Tracer("", "p", 0))
     return PSide(sender, layout, stats, "prefill-0"), peering_
 
@@ -182,21 +177,25 @@ def test_copy_blocks_rejects_unequal_lists() -> None:
 
 def test_cuda_ipc_needs_kv_on_a_cuda_device() -> None:
     blocks = HostBlockIO(KVLayout.from_kv_caches(make_caches(0), NUM_BLOCKS))
-    with pytest.raises(TransportError, match="transport=cuda_ipc needs the KV cache on a CUDA"):
+    with pytest.raises(TransportError, match="transport=cuda_ipc: needs the KV cache on a CUDA"):
         create_transport("cuda_ipc", blocks)
-    assert create_transport("auto", blocks).name == "tcp"  # nothing to map on CPU
+    assert "cuda_ipc" not in create_transport("auto", blocks).name  # nothing to map on CPU
     assert create_transport("tcp", blocks).name == "tcp"
     with pytest.raises(TransportError, match="unknown transport 'rdma'"):
         create_transport("rdma", blocks)
 
 
-def test_offer_goes_only_to_senders_on_this_host_that_ask() -> None:
+def test_offer_goes_only_to_senders_on_this_host() -> None:
     layout = KVLayout.from_kv_caches(make_caches(0), NUM_BLOCKS)
     peering = HostPeering(layout)
-    peering.prepare_export()
-    assert peering.offer(True, host_id()) is not None
-    assert peering.offer(False, host_id()) is None
-    assert peering.offer(True, "other-host/boot") is None
+    peering.prepare()
+
+    def hello(host: str) -> Hello:
+        return Hello(compat=compat(), engine_id="p", tp_rank=0, tp_size=1, host_id=host,
+                     direct=["cuda_ipc"])
+
+    assert peering.offer(hello(host_id())) is not None
+    assert peering.offer(hello("other-host/boot")) is None
 
 
 # ------------------------------------------------------------------------ the grant protocol
@@ -287,9 +286,9 @@ def test_sender_vanishing_after_a_grant_releases_it(sides) -> None:
     d.table.expect(RecvTask("r", "t", [1]))
     sock = framing.connect(d.endpoint, 2.0)
     framing.send_message(sock, Hello(compat=compat(), engine_id="raw", tp_rank=0, tp_size=1,
-                                     host_id=host_id(), want_direct=True))
+                                     host_id=host_id(), direct=["cuda_ipc"]))
     ack = framing.recv_message(sock)
-    assert isinstance(ack, HelloAck) and ack.kv_export is not None
+    assert isinstance(ack, HelloAck) and len(ack.exports) == 1
     framing.send_message(sock, DirectWrite(transfer_id="t", seq=1, layers=[0], dst_blocks=[1]))
     assert framing.recv_message(sock) == WriteGrant(seq=1, ok=True)
     assert d.table._open["t"].writers == 1
@@ -354,4 +353,4 @@ def test_hello_from_an_older_sender_still_decodes() -> None:
     enc = msgspec.msgpack.encode({"type": "Hello", "compat": msgspec.to_builtins(compat()),
                                   "engine_id": "p", "tp_rank": 0, "tp_size": 1})
     hello = msgspec.msgpack.decode(enc, type=Hello)
-    assert hello.want_direct is False and hello.host_id == ""
+    assert hello.direct == [] and hello.host_id == ""

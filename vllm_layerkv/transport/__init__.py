@@ -1,38 +1,92 @@
 """Byte movers behind one interface (base.py).
 
-Today: the embedded TCP transport (``tcp.py``), which copies device to device through CUDA IPC
-(``cuda_ipc.py``) when P and D share a host and both keep KV on CUDA devices.
+The embedded TCP transport (``tcp.py``) carries every control message and, unless a direct
+plane serves the peer, the KV bytes. Direct planes (``direct.py``) let P write into D's memory
+itself: CUDA IPC between GPUs of one host (``cuda_ipc.py``), NIXL (``nixl.py``), Mooncake
+(``mooncake.py``).
 """
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
 
 from vllm_layerkv.blockio import BlockIO
 from vllm_layerkv.config import TRANSPORTS
 from vllm_layerkv.transport.base import ReceiveSink, SendChannel, Transport, TransportError
+from vllm_layerkv.transport.direct import DirectPlane, DirectUnavailable
+
+if TYPE_CHECKING:
+    from vllm_layerkv.config import LayerKVConfig
+
+logger = logging.getLogger("vllm.layerkv.transport")
 
 
-def create_transport(name: str, blocks: BlockIO) -> Transport:
+def create_transport(name: str, blocks: BlockIO, config: LayerKVConfig | None = None
+                     ) -> Transport:
     """The transport for setting ``transport``:
 
     * ``tcp``: bytes over TCP (zero-copy on CPU, a pinned staging buffer on GPU);
-    * ``auto``: like ``tcp``, but same-host peers on CUDA copy device to device;
-    * ``cuda_ipc``: device to device or nothing (a peer that cannot be mapped fails the
-      transfer with the reason).
+    * ``cuda_ipc`` / ``nixl`` / ``mooncake``: that direct plane or nothing (a peer it cannot
+      reach fails the transfer with the reason);
+    * ``auto``: CUDA IPC for a same-host peer when the KV is on CUDA, else NIXL if it is
+      installed, else Mooncake if it is installed, else bytes over TCP. The choice and the
+      reason are logged here and again per peer when its channel opens.
     """
-    if name not in TRANSPORTS:
-        raise TransportError(f"unknown transport {name!r}; use one of {list(TRANSPORTS)}")
+    from vllm_layerkv.config import LayerKVConfig
     from vllm_layerkv.transport.tcp import TcpTransport
 
-    device_blocks = getattr(blocks, "device_blocks", None)
+    if name not in TRANSPORTS:
+        raise TransportError(f"unknown transport {name!r}; use one of {list(TRANSPORTS)}")
+    config = config or LayerKVConfig()
     if name == "tcp":
         return TcpTransport()
-    if device_blocks is None:
-        if name == "cuda_ipc":
-            raise TransportError(
-                "transport=cuda_ipc needs the KV cache on a CUDA device, but this worker's KV "
-                "is in host memory; use transport=auto or tcp")
-        return TcpTransport()
-    from vllm_layerkv.transport.cuda_ipc import DirectPeering
+    if name != "auto":
+        try:
+            plane = _make_plane(name, blocks, config)
+        except DirectUnavailable as e:
+            raise TransportError(f"transport={name}: {e}; or use transport=auto / tcp") from None
+        return TcpTransport([plane], required=name)
 
-    return TcpTransport(DirectPeering(device_blocks, required=name == "cuda_ipc"))
+    planes: list[DirectPlane] = []
+    notes: list[str] = []
+    candidates = ["cuda_ipc"] if blocks.tensors[0].device.type == "cuda" else []
+    if not candidates:
+        notes.append("cuda_ipc: KV is in host memory")
+    for network in ("nixl", "mooncake"):  # one network plane is enough, NIXL first
+        try:
+            planes.append(_make_plane(network, blocks, config))
+            break
+        except Exception as e:  # noqa: BLE001 - auto never fails over an optional engine
+            notes.append(f"{network}: {e}")
+    for c in candidates:
+        planes.insert(0, _make_plane(c, blocks, config))
+    chosen = " > ".join([p.name for p in planes] + ["tcp"])
+    logger.info("LayerKV transport=auto: %s (%s)", chosen,
+                "; ".join(notes) if notes else "every plane available")
+    return TcpTransport(planes)
+
+
+def _make_plane(name: str, blocks: BlockIO, config: LayerKVConfig) -> DirectPlane:
+    if name == "cuda_ipc":
+        if blocks.tensors[0].device.type != "cuda":
+            raise DirectUnavailable("needs the KV cache on a CUDA device, but this worker's KV "
+                                    "is in host memory")
+        from vllm_layerkv.transport.cuda_ipc import CudaIpcPlane
+
+        return CudaIpcPlane(blocks.tensors)
+    if name == "nixl":
+        from vllm_layerkv.transport.nixl import NixlPlane, nixl_api
+
+        nixl_api()  # the install hint before anything else
+        return NixlPlane(blocks.tensors, backends=config.nixl_backends.split(","),
+                         io_timeout=config.io_timeout_s)
+    if name == "mooncake":
+        from vllm_layerkv.transport.mooncake import MooncakePlane
+
+        return MooncakePlane(blocks.tensors, host=config.host, protocol=config.mooncake_protocol,
+                             device=config.mooncake_device)
+    raise DirectUnavailable(f"no direct plane named {name!r}")
 
 
 __all__ = ["TRANSPORTS", "ReceiveSink", "SendChannel", "Transport", "TransportError",

@@ -22,13 +22,21 @@ forward path.
 from __future__ import annotations
 
 import logging
-import socket
 from collections.abc import Sequence
-from functools import lru_cache
 
 import torch
 
-from vllm_layerkv.protocol import IpcTensor, KVExport
+from vllm_layerkv.protocol import DirectExport, Hello, IpcTensor, KVExport
+from vllm_layerkv.transport.direct import (
+    DirectPlane,
+    DirectUnavailable,
+    DirectWriteFailed,
+    PeerWriter,
+    check_blocks,
+    check_geometry,
+    host_id,
+    paired_runs,
+)
 
 logger = logging.getLogger("vllm.layerkv.transport.cuda_ipc")
 MAX_RUN_COPIES = 8
@@ -36,37 +44,8 @@ MAX_RUN_COPIES = 8
 blocks) switch to one gather + one scatter kernel per layer."""
 
 
-class DirectUnavailable(RuntimeError):
-    """Device-direct copies cannot be set up with this peer; the message says why."""
-
-
-@lru_cache(maxsize=1)
-def host_id() -> str:
-    """Identity of this host: two processes with equal ids can share CUDA IPC handles."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = "no-boot-id"
-    return f"{socket.gethostname()}/{boot}"
-
-
 def device_uuid(device: torch.device) -> str:
     return str(torch.cuda.get_device_properties(device).uuid)
-
-
-def paired_runs(src_blocks: Sequence[int],
-                dst_blocks: Sequence[int]) -> list[tuple[int, int, int]]:
-    """Maximal runs (src_start, dst_start, length) that are consecutive on both sides."""
-    runs: list[tuple[int, int, int]] = []
-    for s, d in zip(src_blocks, dst_blocks):
-        if runs:
-            s0, d0, n = runs[-1]
-            if s == s0 + n and d == d0 + n:
-                runs[-1] = (s0, d0, n + 1)
-                continue
-        runs.append((s, d, 1))
-    return runs
 
 
 def copy_blocks(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor],
@@ -111,7 +90,7 @@ def export_kv(blocks: Sequence[torch.Tensor]) -> KVExport:
                     num_blocks=first.shape[0], block_bytes=first.shape[1], layers=layers)
 
 
-class PeerKV:
+class PeerKV(PeerWriter):
     """P side: D's KV mapped into this process, and the stream P copies into it on."""
 
     def __init__(self, export: KVExport, local: Sequence[torch.Tensor]):
@@ -119,10 +98,7 @@ class PeerKV:
             raise DirectUnavailable(f"decode runs on another host ({export.host_id})")
         if not local or local[0].device.type != "cuda":
             raise DirectUnavailable("this worker's KV is not on a CUDA device")
-        if len(export.layers) != len(local) or export.block_bytes != local[0].shape[1]:
-            raise DirectUnavailable(
-                f"decode exported {len(export.layers)} layers x {export.block_bytes} B blocks, "
-                f"this worker has {len(local)} x {local[0].shape[1]} B")
+        check_geometry("cuda_ipc", len(export.layers), export.block_bytes, local)
         self._device = local[0].device
         torch.cuda.set_device(self._device)  # maps and copies run on P's device
         self._src = list(local)
@@ -131,7 +107,7 @@ class PeerKV:
         except RuntimeError as e:  # not mappable here (no P2P, different container, ...)
             raise DirectUnavailable(f"cannot map decode's KV through CUDA IPC: {e}") from None
         self._stream = torch.cuda.Stream(self._device)
-        self.peer_device = export.device_uuid
+        self.description = f"CUDA IPC, peer GPU {export.device_uuid}"
 
     def _open(self, t: IpcTensor, export: KVExport) -> torch.Tensor:
         nbytes = export.num_blocks * export.block_bytes
@@ -146,43 +122,42 @@ class PeerKV:
                   (export.block_bytes, 1))
         return view
 
-    def copy(self, layers: Sequence[int], src_blocks: Sequence[int],
-             dst_blocks: Sequence[int]) -> int:
+    def write(self, layers: Sequence[int], src_blocks: Sequence[int],
+              dst_blocks: Sequence[int]) -> int:
         """Copy and wait until the bytes are in D's memory; returns bytes copied."""
-        if any(not 0 <= b < self._dst[0].shape[0] for b in dst_blocks):
-            raise ValueError(f"destination block out of range in {list(dst_blocks)[:8]}")
-        with torch.cuda.stream(self._stream):
-            n = copy_blocks(self._src, self._dst, layers, src_blocks, dst_blocks)
-        self._stream.synchronize()
+        check_blocks(dst_blocks, self._dst[0].shape[0])
+        try:
+            with torch.cuda.stream(self._stream):
+                n = copy_blocks(self._src, self._dst, layers, src_blocks, dst_blocks)
+            self._stream.synchronize()
+        except RuntimeError as e:
+            raise DirectWriteFailed(f"device copy failed: {e}") from None
         return n
 
 
-class DirectPeering:
-    """The policy half of ``transport=auto|cuda_ipc`` for one worker: what D offers, and
-    whether P may fall back to sending bytes when a peer cannot be mapped."""
+class CudaIpcPlane(DirectPlane):
+    """Same-host device-to-device copies (``transport=auto|cuda_ipc`` with KV on CUDA)."""
 
-    def __init__(self, local: Sequence[torch.Tensor], required: bool):
-        self.required = required
-        self._local = list(local)
+    name = "cuda_ipc"
+
+    def __init__(self, local: Sequence[torch.Tensor]):
+        super().__init__(local)
         self._export: KVExport | None = None
 
-    def prepare_export(self) -> None:
+    def prepare(self) -> None:
         """D side, at start (main thread, before any forward pass)."""
         try:
-            self._export = export_kv(self._local)
+            self._export = export_kv(self.local)
         except RuntimeError as e:
-            if self.required:
-                raise DirectUnavailable(
-                    f"transport=cuda_ipc: cannot export this worker's KV cache: {e}") from None
-            logger.warning("LayerKV: KV cache cannot be exported through CUDA IPC (%s); "
-                           "same-host prefill instances will send bytes over TCP", e)
+            raise DirectUnavailable(f"cannot export this worker's KV cache: {e}") from None
 
-    def offer(self, want_direct: bool, peer_host_id: str) -> KVExport | None:
-        """D side: the export for a sender that asked for it from this host, else None."""
-        if want_direct and peer_host_id == host_id():
+    def offer(self, hello: Hello) -> KVExport | None:
+        """D side: the export for a sender on this host, else None."""
+        if hello.host_id == host_id():
             return self._export
         return None
 
-    def attach(self, export: KVExport) -> PeerKV:
+    def attach(self, export: DirectExport) -> PeerKV:
         """P side: map a decode worker's export (raises DirectUnavailable)."""
-        return PeerKV(export, self._local)
+        assert isinstance(export, KVExport)
+        return PeerKV(export, self.local)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import select
 import socket
 
 from vllm_layerkv.protocol import (
@@ -90,3 +91,11 @@ def split_endpoint(address: str) -> tuple[str, int]:
     if not sep or not port.isdigit():
         raise ValueError(f"endpoint {address!r} is not host:port")
     return host.strip("[]"), int(port)
+
+
+def wait_readable(sock: socket.socket, timeout: float) -> bool:
+    """True once ``sock`` has data (or EOF) within ``timeout`` seconds. ``poll``, not
+    ``select``: a vLLM process holds many descriptors, and ``select`` fails on any >= 1024."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN | select.POLLPRI)
+    return bool(poller.poll(timeout * 1000))

@@ -8,12 +8,15 @@ into them (GPU); on CPU there is no intermediate buffer on either side, so on lo
 at memory-copy-like rates. One TCP connection per (P rank, D rank) keeps every transfer's frames
 in order, which is what makes re-sending a partially filled block on the next chunk correct.
 
-Same-host GPU peers (``transport`` auto or cuda_ipc, ``cuda_ipc.py``): D answers ``Hello`` with
-its KV as CUDA IPC handles and P copies blocks device to device instead of sending bytes. The
-connection then carries only control: before each copy P asks (``DirectWrite``) and D grants
-(``WriteGrant``) through the same ``ReceiveSink.begin_write`` a byte frame passes, and the grant
-holds the transfer open on D until P reports the copy complete (``DirectWritten``). So D never
-reports a transfer, and vLLM never reuses its blocks, while P may still be writing into them.
+Direct-write planes (``direct.py``: CUDA IPC on one host, NIXL, Mooncake): P's ``Hello`` lists
+the planes it can drive, D answers with an export for each it can serve to that sender, and P
+attaches the first that works, in its order of preference, then writes into D's memory itself
+instead of sending bytes. The connection then carries only control: before each write P asks
+(``DirectWrite``) and D grants (``WriteGrant``) through the same ``ReceiveSink.begin_write`` a
+byte frame passes, and the grant holds the transfer open on D until P reports the write
+complete (``DirectWritten``). So D never reports a transfer, and vLLM never reuses its blocks,
+while P may still be writing into them. When no plane works P sends bytes, unless the plane was
+required (``transport`` named it), in which case the transfer fails with every plane's reason.
 
 Threads: D runs one accept thread and one reader thread per connection; P runs one ack-reader
 thread per connection (the sender thread writes).
@@ -23,11 +26,9 @@ from __future__ import annotations
 
 import logging
 import queue
-import select
 import socket
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -46,9 +47,13 @@ from vllm_layerkv.protocol import (
 )
 from vllm_layerkv.transport import faults, framing
 from vllm_layerkv.transport.base import ReceiveSink, SendChannel, Transport, TransportError
-
-if TYPE_CHECKING:
-    from vllm_layerkv.transport.cuda_ipc import DirectPeering, PeerKV
+from vllm_layerkv.transport.direct import (
+    DirectPlane,
+    DirectUnavailable,
+    DirectWriteFailed,
+    PeerWriter,
+    host_id,
+)
 
 logger = logging.getLogger("vllm.layerkv.transport.tcp")
 SCRATCH_BYTES = 4 * 1024 * 1024
@@ -57,15 +62,15 @@ SCRATCH_BYTES = 4 * 1024 * 1024
 class TcpSendChannel(SendChannel):
     def __init__(self, sock: socket.socket, endpoint: str, blocks: BlockIO,
                  on_ack: Callable[[TransferAck], None], on_lost: Callable[[str], None],
-                 peer_kv: PeerKV | None = None, io_timeout: float = 60.0):
+                 writer: PeerWriter | None = None, io_timeout: float = 60.0):
         self._sock = sock
         self._endpoint = endpoint
         self._blocks = blocks
         self._on_ack = on_ack
         self._on_lost = on_lost
         self._alive = True
-        self._peer_kv = peer_kv
-        """D's KV mapped into this process: copy device to device instead of sending bytes."""
+        self._writer = writer
+        """Set when P writes into D's memory itself (a direct plane) instead of sending bytes."""
         self._io_timeout = io_timeout
         self._grants: queue.SimpleQueue[WriteGrant | None] = queue.SimpleQueue()
         self._seq = 0
@@ -80,7 +85,7 @@ class TcpSendChannel(SendChannel):
 
     @property
     def direct(self) -> bool:
-        return self._peer_kv is not None
+        return self._writer is not None
 
     def write_blocks(self, transfer_id: str, layers: Sequence[int], src_blocks: Sequence[int],
                      dst_blocks: Sequence[int]) -> int:
@@ -88,7 +93,7 @@ class TcpSendChannel(SendChannel):
             raise ValueError("src_blocks and dst_blocks differ in length")
         if faults.write_fails(transfer_id):
             raise TransportError(f"injected write fault for {transfer_id} ({faults.ENV})")
-        if self._peer_kv is not None:
+        if self._writer is not None:
             return self._write_direct(transfer_id, layers, src_blocks, dst_blocks)
         block_bytes = self._blocks.block_bytes
         nbytes = len(layers) * len(src_blocks) * block_bytes
@@ -105,8 +110,8 @@ class TcpSendChannel(SendChannel):
 
     def _write_direct(self, transfer_id: str, layers: Sequence[int], src_blocks: Sequence[int],
                       dst_blocks: Sequence[int]) -> int:
-        """Ask D for the blocks, copy device to device, report the copy complete."""
-        assert self._peer_kv is not None
+        """Ask D for the blocks, write them through the plane, report the write complete."""
+        assert self._writer is not None
         self._seq += 1
         seq = self._seq
         self._send(DirectWrite(transfer_id=transfer_id, seq=seq, layers=list(layers),
@@ -125,9 +130,9 @@ class TcpSendChannel(SendChannel):
             return 0  # D closed the transfer; it will not be reported as received
         nbytes = 0
         try:
-            nbytes = self._peer_kv.copy(layers, src_blocks, dst_blocks)
-        except (RuntimeError, ValueError) as e:
-            raise TransportError(f"device copy to decode {self._endpoint} failed: {e}") from None
+            nbytes = self._writer.write(layers, src_blocks, dst_blocks)
+        except (DirectWriteFailed, ValueError) as e:
+            raise TransportError(f"direct write to decode {self._endpoint} failed: {e}") from None
         finally:
             self._send(DirectWritten(transfer_id=transfer_id, seq=seq, nbytes=nbytes))
         return nbytes
@@ -141,6 +146,8 @@ class TcpSendChannel(SendChannel):
 
     def close(self) -> None:
         self._alive = False
+        if self._writer is not None:
+            self._writer.close()
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -158,8 +165,7 @@ class TcpSendChannel(SendChannel):
         try:
             while self._alive:
                 # acks may be minutes apart: wait for readability, then read one message
-                readable, _, _ = select.select([self._sock], [], [], 1.0)
-                if not readable:
+                if not framing.wait_readable(self._sock, 1.0):
                     continue
                 msg = framing.recv_message(self._sock)
                 if isinstance(msg, TransferAck):
@@ -180,10 +186,12 @@ class TcpSendChannel(SendChannel):
 
 
 class TcpTransport(Transport):
-    def __init__(self, direct: DirectPeering | None = None) -> None:
-        self._direct = direct
-        """Set when this worker's KV is on CUDA and transport is auto or cuda_ipc."""
-        self.name = "tcp" if direct is None else "tcp+cuda_ipc"
+    def __init__(self, planes: Sequence[DirectPlane] = (), required: str = "") -> None:
+        self._planes = list(planes)
+        """Direct-write planes this worker can use, in order of preference."""
+        self._required = required
+        """The ``transport`` setting when it named a plane: no falling back to bytes."""
+        self.name = "+".join(["tcp", *(p.name for p in self._planes)])
         self._server: socket.socket | None = None
         self._stop = threading.Event()
         self._conns: set[socket.socket] = set()
@@ -193,10 +201,9 @@ class TcpTransport(Transport):
     def open_channel(self, endpoint: str, hello: Hello, blocks: BlockIO,
                      on_ack: Callable[[TransferAck], None], on_lost: Callable[[str], None],
                      timeout: float, io_timeout: float) -> SendChannel:
-        if self._direct is not None:
-            from vllm_layerkv.transport.cuda_ipc import host_id
-
-            hello = msgspec.structs.replace(hello, host_id=host_id(), want_direct=True)
+        if self._planes:
+            hello = msgspec.structs.replace(hello, host_id=host_id(),
+                                            direct=[p.name for p in self._planes])
         try:
             sock = framing.connect(endpoint, timeout)
             framing.send_message(sock, hello)
@@ -209,38 +216,53 @@ class TcpTransport(Transport):
         if not isinstance(reply, HelloAck):
             sock.close()
             raise TransportError(f"decode {endpoint} answered {type(reply).__name__} to Hello")
-        peer_kv = self._map_peer(endpoint, reply, sock)
-        sock.settimeout(io_timeout)  # a D that stops reading fails the send, not hangs it
-        return TcpSendChannel(sock, endpoint, blocks, on_ack, on_lost, peer_kv, io_timeout)
-
-    def _map_peer(self, endpoint: str, reply: HelloAck, sock: socket.socket) -> PeerKV | None:
-        """D's KV mapped for device-direct copies, or None to send bytes."""
-        if self._direct is None:
-            return None
-        from vllm_layerkv.transport.cuda_ipc import DirectUnavailable
-
         try:
-            if reply.kv_export is None:
-                raise DirectUnavailable("decode did not offer its KV (another host, or its KV "
-                                        "is not on a CUDA device)")
-            peer_kv = self._direct.attach(reply.kv_export)
-        except DirectUnavailable as e:
-            if self._direct.required:
-                sock.close()
-                raise TransportError(
-                    f"transport=cuda_ipc: decode {endpoint}: {e}; use transport=auto to fall "
-                    "back to TCP") from None
-            logger.info("LayerKV: sending KV to decode %s over TCP: %s", endpoint, e)
+            writer = self._attach(endpoint, reply)
+        except TransportError:
+            sock.close()
+            raise
+        sock.settimeout(io_timeout)  # a D that stops reading fails the send, not hangs it
+        return TcpSendChannel(sock, endpoint, blocks, on_ack, on_lost, writer, io_timeout)
+
+    def _attach(self, endpoint: str, reply: HelloAck) -> PeerWriter | None:
+        """The first plane, in this worker's order, that reaches D's KV; None to send bytes."""
+        if not self._planes:
             return None
-        logger.info("LayerKV: copying KV device to device into decode %s (CUDA IPC, peer GPU "
-                    "%s)", endpoint, peer_kv.peer_device)
-        return peer_kv
+        reasons = []
+        for plane in self._planes:
+            export = next((e for e in reply.exports
+                           if type(e).__struct_config__.tag == plane.name), None)
+            if export is None:
+                reasons.append(f"{plane.name}: decode did not offer it")
+                continue
+            try:
+                writer = plane.attach(export)
+            except DirectUnavailable as e:
+                reasons.append(f"{plane.name}: {e}")
+                continue
+            logger.info("LayerKV: writing KV into decode %s directly (%s)", endpoint,
+                        writer.description)
+            return writer
+        why = "; ".join(reasons)
+        if self._required:
+            raise TransportError(
+                f"transport={self._required}: cannot write into decode {endpoint}: {why}; use "
+                "transport=auto to fall back to TCP")
+        logger.info("LayerKV: sending KV to decode %s over TCP (%s)", endpoint, why)
+        return None
 
     # ------------------------------------------------------------------ D side
     def start_receiver(self, host: str, port: int, sink: ReceiveSink, blocks: BlockIO,
                        io_timeout: float) -> str:
-        if self._direct is not None:
-            self._direct.prepare_export()
+        for plane in list(self._planes):
+            try:
+                plane.prepare()
+            except DirectUnavailable as e:
+                if self._required:
+                    raise TransportError(f"transport={self._required}: {e}") from None
+                logger.warning("LayerKV: %s unavailable on this decode worker (%s); prefill "
+                               "instances will use another path", plane.name, e)
+                self._planes.remove(plane)
         self._server = framing.listen(host, port)
         bound_port = self._server.getsockname()[1]
         threading.Thread(target=self._accept_loop, args=(sink, blocks, io_timeout),
@@ -251,6 +273,8 @@ class TcpTransport(Transport):
         self._stop.set()
         if self._server is not None:
             self._server.close()
+        for plane in self._planes:
+            plane.shutdown()
         with self._lock:
             conns = list(self._conns)
         for c in conns:
@@ -279,7 +303,7 @@ class TcpTransport(Transport):
         peer = f"{addr[0]}:{addr[1]}"
         hello: Hello | None = None
         scratch = memoryview(bytearray(SCRATCH_BYTES))
-        granted: dict[int, str] = {}  # seq -> transfer_id of device-direct writes in progress
+        granted: dict[int, str] = {}  # seq -> transfer_id of direct writes in progress
         try:
             first = framing.recv_message(conn)
             if not isinstance(first, Hello):
@@ -290,20 +314,19 @@ class TcpTransport(Transport):
                 framing.send_message(conn, Refused(transfer_id="", reason=refusal))
                 return
             hello = first
-            export = (self._direct.offer(first.want_direct, first.host_id)
-                      if self._direct is not None else None)
+            exports = [e for p in self._planes if p.name in first.direct
+                       if (e := p.offer(first)) is not None]
             framing.send_message(conn, HelloAck(tp_rank=getattr(sink, "tp_rank", 0),
-                                                kv_export=export))
+                                                exports=exports))
             while not self._stop.is_set():
                 # Idle between transfers is fine; once a message starts, io_timeout applies.
-                readable, _, _ = select.select([conn], [], [], 1.0)
-                if not readable:
+                if not framing.wait_readable(conn, 1.0):
                     continue
                 msg = framing.recv_message(conn)
                 if isinstance(msg, BlockData):
                     self._receive_blocks(conn, msg, sink, blocks, scratch,
                                          (hello.engine_id, hello.tp_rank))
-                elif isinstance(msg, DirectWrite) and export is not None:
+                elif isinstance(msg, DirectWrite) and exports:
                     ok = self._grant(msg, sink, blocks, (hello.engine_id, hello.tp_rank))
                     if ok:
                         granted[msg.seq] = msg.transfer_id
@@ -331,9 +354,9 @@ class TcpTransport(Transport):
 
     @staticmethod
     def _release_grants(granted: dict[int, str], sink: ReceiveSink) -> None:
-        """The connection ended with copies granted: they are over. P closes its socket only
-        between copies (its sender thread owns both), and the device work of a P that died
-        dies with its CUDA context."""
+        """The connection ended with writes granted: they are over. P closes its socket only
+        between writes (its sender thread owns both), and the writes of a P that died die with
+        it (its CUDA context, its NIXL / Mooncake engine)."""
         for tid in granted.values():
             sink.end_write(tid, 0)
         granted.clear()

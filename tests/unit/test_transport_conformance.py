@@ -1,0 +1,434 @@
+"""What every transport must do, run against each one: ``tcp`` (bytes over LayerKV's
+socket), ``nixl`` (NIXL WRITEs over UCX) and ``mooncake`` (Mooncake TransferEngine over tcp),
+all on CPU memory in this process. The same prefill ``Sender`` pushes KV into a decode receiver
+whose ``RecvTable`` decides what may be written; every test checks the bytes in D's KV memory
+(pre-filled with a sentinel, so a stray write shows up).
+
+Covered: byte exactness and acks, block lists of every shape (tiny, scattered, large),
+ordering across chunks, interleaved and concurrent transfers, refusals, aborts and failures on
+either side. CUDA IPC runs the same grant protocol; it is tested on GPUs (tests/gpu/) and with
+a host double (test_transport_direct.py).
+
+NIXL and Mooncake are optional dependencies (``vllm-layerkv[nixl]``, ``[mooncake-cpu]``); the
+test set-up installs both, so a missing one is an error here unless LAYERKV_TEST_TRANSPORTS
+names the transports to run.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+
+import pytest
+import torch
+from test_transport_tcp import (  # noqa: F401 - d_side / p_side are fixtures
+    BLOCK_BYTES,
+    NUM_BLOCKS,
+    NUM_LAYERS,
+    PEER,
+    TIMEOUT,
+    UNKNOWN_WAIT_S,
+    assert_copied,
+    assert_sentinel,
+    d_side,
+    p_side,
+    push,
+    task,
+)
+
+from vllm_layerkv.blockio import block_runs
+from vllm_layerkv.metadata import Peer, RecvTask, SendTask
+from vllm_layerkv.sender import AbortTransfer
+from vllm_layerkv.transport import faults
+from vllm_layerkv.transport.nixl import MAX_COALESCED_RUNS
+
+TRANSPORTS = os.environ.get("LAYERKV_TEST_TRANSPORTS", "tcp,nixl,mooncake").split(",")
+
+
+@pytest.fixture(params=TRANSPORTS)
+def transport(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+# ------------------------------------------------------------------------------ happy paths
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float32])
+def test_transfer_is_byte_exact_and_acked(d_side, p_side, dtype) -> None:
+    d, p = d_side(dtype=dtype), p_side(dtype=dtype)
+    src, dst = list(range(0, 20)), list(range(30, 50))
+    d.table.expect(RecvTask("req-a", "tid-a", dst))
+    push(p, [task("tid-a", d, src, dst, req_id="req-a")])
+
+    out = p.wait_state("tid-a", ["acked", "failed"])
+    assert out.state == "acked", out.reason
+    assert out.frames == 2
+    assert out.nbytes == NUM_LAYERS * len(src) * BLOCK_BYTES
+    finished, failed = d.drain_until(lambda f, x: bool(f or x))
+    assert (finished, failed) == ({"req-a"}, set())
+    assert d.table.drain() == (set(), set())  # reported exactly once
+    assert d.table.pending() == 0
+    assert_copied(p, d, list(zip(src, dst)))
+    # closing a transfer that already completed changes nothing (D's scheduler may race it)
+    d.table.close("tid-a", failed=True, reason="late")
+    assert d.table.drain() == (set(), set())
+
+    d_stats = d.stats.take().data
+    assert d_stats["bytes_received"] == out.nbytes and d_stats["transfers_received"] == 1
+    # the ack can overtake the sender thread's own bookkeeping of TransferDone: collect
+    p_stats = p.stats.take().data
+    deadline = time.monotonic() + TIMEOUT
+    while p_stats["transfers_sent"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+        more = p.stats.take()
+        if more is not None:
+            p_stats = more.aggregate(type(more)(data=p_stats)).data
+    assert p_stats["bytes_sent"] == out.nbytes and p_stats["groups_sent"] == 2
+    assert p_stats["transfers_sent"] == 1 and p_stats["transfers_failed"] == 0
+
+
+def test_non_contiguous_block_lists(d_side, p_side) -> None:
+    d, p = d_side(), p_side()
+    src = [3, 4, 5, 9, 10, 20, 2, 63]
+    dst = [40, 41, 7, 8, 9, 0, 62, 1]
+    assert len(list(block_runs(src))) == 5 and len(list(block_runs(dst))) == 5
+    d.table.expect(RecvTask("r", "t", dst))
+    push(p, [task("t", d, src, dst, req_id="r")], groups=[(0,), (1,), (2,), (3,)])
+    assert p.wait_state("t", ["acked", "failed"]).state == "acked"
+    assert d.drain_until(lambda f, x: bool(f or x)) == ({"r"}, set())
+    assert_copied(p, d, list(zip(src, dst)))
+
+
+def test_transfer_may_cover_only_some_allocated_blocks(d_side, p_side) -> None:
+    """D allocated blocks for the whole prompt; P sends only part (e.g. D had a prefix hit)."""
+    d, p = d_side(), p_side()
+    d.table.expect(RecvTask("r", "t", [10, 11, 12, 13]))
+    push(p, [task("t", d, [0, 1], [12, 13], req_id="r")])
+    assert p.wait_state("t", ["acked", "failed"]).state == "acked"
+    assert d.drain_until(lambda f, x: bool(f or x)) == ({"r"}, set())
+    assert_copied(p, d, [(0, 12), (1, 13)])
+
+
+def test_chunked_streaming_later_copy_of_a_partial_block_wins(d_side, p_side) -> None:
+    d, p = d_side(), p_side()
+    dst = [20, 21, 22]
+    d.table.expect(RecvTask("r", "t", dst))
+    # chunk 1: blocks 0 and 1 (block 1 only partly filled at this point)
+    push(p, [task("t", d, [0, 1], [20, 21], final=False, req_id="r")], step=1)
+    deadline = time.monotonic() + TIMEOUT
+    while p.out("t").frames < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert d.table.drain() == (set(), set())  # not complete before TransferDone
+    while d.block(NUM_LAYERS - 1, 21) != p.block(NUM_LAYERS - 1, 1):  # chunk 1 landed on D
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert d.block(0, 21) == p.block(0, 1)
+    # the next chunk fills block 1 further (new bytes) and adds block 2
+    for t in p.layout.tensors:
+        t.view(torch.uint8)[1].add_(1)
+    push(p, [task("t", d, [1, 2], [21, 22], final=True, req_id="r")], step=2)
+    out = p.wait_state("t", ["acked", "failed"])
+    assert out.state == "acked" and out.frames == 4
+    assert d.drain_until(lambda f, x: bool(f or x)) == ({"r"}, set())
+    assert_copied(p, d, [(0, 20), (1, 21), (2, 22)])
+
+
+def test_interleaved_transfers_on_one_connection(d_side, p_side) -> None:
+    d, p = d_side(), p_side()
+    plan = {  # tid: (src, dst)
+        "t0": ([0, 1, 2], [10, 11, 12]),
+        "t1": ([5, 7], [3, 1]),
+        "t2": ([30, 31, 32, 33], [50, 51, 52, 53]),
+    }
+    for tid, (_, dst) in plan.items():
+        d.table.expect(RecvTask("r" + tid, tid, dst))
+    tasks = [task(tid, d, src, dst, req_id="r" + tid) for tid, (src, dst) in plan.items()]
+    # every GroupSend carries all three tasks: their frames interleave layer group by group
+    push(p, tasks, groups=[(0,), (1, 2), (3,)])
+    for tid in plan:
+        assert p.wait_state(tid, ["acked", "failed"]).state == "acked"
+        assert p.out(tid).frames == 3
+    assert d.drain_until(lambda f, x: len(f) == 3) == ({"rt0", "rt1", "rt2"}, set())
+    assert_copied(p, d, [pair for src, dst in plan.values() for pair in zip(src, dst)])
+
+
+def test_two_prefill_engines_push_concurrently(d_side, p_side) -> None:
+    d = d_side()
+    p1, p2 = p_side("prefill-1", seed=11), p_side("prefill-2", seed=22)
+    d.table.expect(RecvTask("r1", "t1", list(range(0, 16))))
+    d.table.expect(RecvTask("r2", "t2", list(range(32, 48))))
+    threads = [
+        threading.Thread(target=push, args=(p1, [task("t1", d, list(range(16)),
+                                                      list(range(16)), req_id="r1")])),
+        threading.Thread(target=push, args=(p2, [task("t2", d, list(range(16, 32)),
+                                                      list(range(32, 48)), req_id="r2")])),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert p1.wait_state("t1", ["acked", "failed"]).state == "acked"
+    assert p2.wait_state("t2", ["acked", "failed"]).state == "acked"
+    assert d.drain_until(lambda f, x: len(f) == 2) == ({"r1", "r2"}, set())
+    for layer in range(NUM_LAYERS):
+        for i in range(16):
+            assert d.block(layer, i) == p1.block(layer, i)
+            assert d.block(layer, 32 + i) == p2.block(layer, 16 + i)
+    assert_sentinel(d, exclude={(layer, b) for layer in range(NUM_LAYERS)
+                                for b in [*range(16), *range(32, 48)]})
+
+
+def test_frames_wait_for_a_transfer_the_worker_learns_about_late(d_side, p_side) -> None:
+    """P can be faster than D's scheduler -> worker metadata: frames wait (unknown_wait_s)."""
+    d, p = d_side(unknown_wait_s=5.0), p_side()
+    push(p, [task("t", d, [0, 1], [5, 6], req_id="r")])
+    time.sleep(0.2)  # the first frame is now waiting inside the receiver
+    d.table.expect(RecvTask("r", "t", [5, 6]))
+    assert p.wait_state("t", ["acked", "failed"]).state == "acked"
+    assert d.drain_until(lambda f, x: bool(f or x)) == ({"r"}, set())
+    assert_copied(p, d, [(0, 5), (1, 6)])
+
+
+def test_frame_naming_a_foreign_block_fails_the_transfer_and_writes_nothing(d_side, p_side):
+    d, p = d_side(), p_side()
+    d.table.expect(RecvTask("r", "t", [10, 11, 12]))
+    # block 13 is not allocated to this transfer (vLLM may have given it to another request)
+    push(p, [task("t", d, [0, 1, 2, 3], [10, 11, 12, 13], req_id="r")])
+    finished, failed = d.drain_until(lambda f, x: bool(f or x))
+    assert (finished, failed) == (set(), {"r"})
+    out = p.wait_state("t", ["acked", "failed"])
+    assert out.state == "failed" and "decode dropped the transfer" in out.reason
+    assert_sentinel(d)
+    assert d.stats.take().data["transfers_failed"] == 1
+    # the connection stayed in sync: a following transfer on it works
+    d.table.expect(RecvTask("r2", "t2", [40]))
+    push(p, [task("t2", d, [7], [40], req_id="r2")])
+    assert p.wait_state("t2", ["acked", "failed"]).state == "acked"
+    assert d.drain_until(lambda f, x: bool(f or x)) == ({"r2"}, set())
+    assert_copied(p, d, [(7, 40)])
+
+
+def test_transfer_closed_on_d_before_data_is_discarded(d_side, p_side) -> None:
+    d, p = d_side(), p_side()
+    d.table.expect(RecvTask("r", "t", [1, 2, 3]))
+    d.table.close("t", failed=False, reason="aborted")  # D's request ended
+    assert d.table.drain() == ({"r"}, set())  # reported (as finished) so vLLM frees the blocks
+    push(p, [task("t", d, [4, 5, 6], [1, 2, 3], req_id="r")])
+    out = p.wait_state("t", ["acked", "failed"])
+    assert out.state == "failed" and "decode no longer waits" in out.reason
+    assert_sentinel(d)
+    time.sleep(0.1)
+    assert d.table.drain() == (set(), set())  # not reported a second time
+    assert d.stats.take() is None  # a cancelled transfer is not a failure
+
+
+def test_unknown_transfer_is_discarded_after_the_wait(d_side, p_side) -> None:
+    d, p = d_side(), p_side()
+    t0 = time.monotonic()
+    push(p, [task("ghost", d, [0, 1], [0, 1], req_id="r")], groups=[(0, 1, 2, 3)])
+    out = p.wait_state("ghost", ["acked", "failed"])
+    elapsed = time.monotonic() - t0
+    assert out.state == "failed" and "decode no longer waits" in out.reason
+    assert elapsed >= UNKNOWN_WAIT_S * 0.9  # waited once for the worker to learn about it...
+    assert elapsed < UNKNOWN_WAIT_S + 3  # ...but TransferDone did not wait a second time
+    assert_sentinel(d)
+    assert d.table.drain() == (set(), set())
+    # a RecvTask for it arriving after the tombstone keeps the transfer open, fed by no one
+    d.table.expect(RecvTask("r", "ghost", [0, 1]))
+    assert d.table.pending() == 1
+
+
+def test_unreachable_decode_fails_the_transfer(p_side) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, not listening: connection refused
+        p = p_side()
+        t = SendTask(req_id="r", transfer_id="t",
+                     peer=Peer("d", 1, [f"127.0.0.1:{port}"]), src_blocks=[0], dst_blocks=[0],
+                     final=True, new_tokens=16)
+        push(p, [t])
+        out = p.wait_state("t", ["acked", "failed"])
+    assert out.state == "failed" and "cannot reach decode data endpoint" in out.reason
+
+
+def test_connection_killed_between_frames_fails_the_transfer(d_side, p_side) -> None:
+    d, p = d_side(), p_side()
+    d.table.expect(RecvTask("r", "t", [1, 2]))
+    push(p, [task("t", d, [1, 2], [1, 2], final=False, req_id="r")])
+    deadline = time.monotonic() + TIMEOUT
+    while p.out("t").frames < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    time.sleep(0.1)
+    for ch in list(p.sender._channels.values()):  # the P worker process dies
+        ch.close()
+    assert d.drain_until(lambda f, x: bool(f or x)) == (set(), {"r"})
+
+
+def test_decode_going_away_fails_open_transfers_on_p(d_side, p_side) -> None:
+    d, p = d_side(), p_side()
+    d.table.expect(RecvTask("r", "t", [1, 2]))
+    push(p, [task("t", d, [1, 2], [1, 2], final=False, req_id="r")], groups=[(0,)])
+    deadline = time.monotonic() + TIMEOUT
+    while p.out("t").frames < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    d.transport.shutdown()
+    out = p.wait_state("t", ["acked", "failed"])
+    assert out.state == "failed" and "lost" in out.reason
+
+
+def test_abort_from_prefill_fails_the_transfer_on_d(d_side, p_side) -> None:
+    d, p = d_side(), p_side()
+    d.table.expect(RecvTask("r", "t", [1, 2, 3]))
+    push(p, [task("t", d, [1, 2, 3], [1, 2, 3], final=False, req_id="r")], groups=[(0, 1)])
+    p.sender.put(AbortTransfer("t", "prefill request aborted", PEER(d)))
+    out = p.wait_state("t", ["aborted", "acked", "failed"])
+    assert out.state == "aborted" and out.reason == "prefill request aborted"
+    assert d.drain_until(lambda f, x: bool(f or x)) == (set(), {"r"})
+    # nothing is sent for an aborted transfer any more
+    push(p, [task("t", d, [4], [1], req_id="r")], groups=[(2, 3)])
+    time.sleep(0.2)
+    assert p.out("t").frames == 1
+    assert_copied(p, d, [(1, 1), (2, 2), (3, 3)], layers=[0, 1])
+
+
+def test_write_failure_on_p_fails_the_transfer_on_d_at_once(d_side, p_side,
+                                                           monkeypatch) -> None:
+    """A write that fails on P's side with the connection still up (a failed device copy; here
+    the test-only fault hook) is aborted on D right away, and later groups are not sent."""
+    monkeypatch.setattr(faults, "ENABLED", True)
+    d, p = d_side(), p_side()
+    tid = faults.WRITE_FAULT_PREFIX + "1"
+    d.table.expect(RecvTask("r", tid, [1, 2]))
+    push(p, [task(tid, d, [1, 2], [1, 2], req_id="r")], groups=[(0, 1), (2, 3)])
+    out = p.wait_state(tid, ["failed", "acked"])
+    assert out.state == "failed" and "injected write fault" in out.reason
+    assert d.drain_until(lambda f, x: bool(f or x)) == (set(), {"r"})
+    assert out.frames == 0
+    # the connection is still usable for the next transfer
+    d.table.expect(RecvTask("r2", "t2", [3]))
+    push(p, [task("t2", d, [3], [3], req_id="r2")])
+    assert p.wait_state("t2", ["acked", "failed"]).state == "acked"
+
+
+def test_abort_that_overtakes_the_recv_task_still_fails_it(d_side, p_side) -> None:
+    d, p = d_side(unknown_wait_s=1.0), p_side()
+    # a live connection exists (another transfer already used it)
+    d.table.expect(RecvTask("r0", "t0", [0]))
+    push(p, [task("t0", d, [0], [0], req_id="r0")], groups=[(0, 1, 2, 3)])
+    assert p.wait_state("t0", ["acked", "failed"]).state == "acked"
+    assert d.drain_until(lambda f, x: bool(f or x)) == ({"r0"}, set())
+    # P registers t1 and aborts it before D's worker got its RecvTask
+    p.sender.outgoing(task("t1", d, [1], [1], req_id="r1"))
+    p.sender.put(AbortTransfer("t1", "prefill request aborted", PEER(d)))
+    assert p.wait_state("t1", ["aborted"]).state == "aborted"
+    time.sleep(0.1)
+    d.table.expect(RecvTask("r1", "t1", [1]))
+    assert d.drain_until(lambda f, x: bool(f or x), timeout=1.5) == (set(), {"r1"})
+
+
+# ------------------------------------------------------------------------------ throughput
+
+
+def test_large_transfer_64mib(d_side, p_side, transport) -> None:
+    block_bytes, num_blocks = 256 * 1024, 64  # 4 layers x 64 blocks x 256 KiB = 64 MiB
+    d = d_side(num_blocks=num_blocks, block_bytes=block_bytes)
+    p = p_side(num_blocks=num_blocks, block_bytes=block_bytes)
+    blocks = list(range(num_blocks))
+    dst = blocks[::-1]
+    d.table.expect(RecvTask("r", "t", dst))
+    # warm the connection so the handshake is not in the measurement
+    d.table.expect(RecvTask("w", "warm", [0]))
+    push(p, [task("warm", d, [0], [0], req_id="w")], groups=[(0,)])
+    assert p.wait_state("warm", ["acked", "failed"]).state == "acked"
+    d.table.drain()
+
+    t0 = time.perf_counter()
+    push(p, [task("t", d, blocks, dst, req_id="r")], groups=[(0,), (1,), (2,), (3,)])
+    out = p.wait_state("t", ["acked", "failed"], timeout=60)
+    seconds = time.perf_counter() - t0
+    assert out.state == "acked"
+    total = NUM_LAYERS * num_blocks * block_bytes
+    assert out.nbytes == total == 64 * 2**20
+    mbps = total / seconds / 1e6
+    print(f"\nLayerKV {transport} loopback: {total / 2**20:.0f} MiB in {seconds * 1e3:.1f} ms "
+          f"= {mbps:.0f} MB/s")
+    d_views, p_views = d.layout.host_block_views(), p.layout.host_block_views()
+    for layer in range(NUM_LAYERS):
+        assert (d_views[layer][dst] == p_views[layer][blocks]).all()
+    assert mbps > 200, f"{mbps:.0f} MB/s"
+
+
+# ------------------------------------------------------------------------------ sizes
+
+
+def test_tiny_transfer_one_block_one_layer(d_side, p_side) -> None:
+    d, p = d_side(), p_side()
+    d.table.expect(RecvTask("r", "t", [63]))
+    push(p, [task("t", d, [0], [63], req_id="r")], groups=[(2,)])
+    out = p.wait_state("t", ["acked", "failed"])
+    assert out.state == "acked" and out.nbytes == BLOCK_BYTES
+    assert d.drain_until(lambda f, x: bool(f or x)) == ({"r"}, set())
+    assert_copied(p, d, [(0, 63)], layers=[2])
+
+
+def test_scattered_blocks_beyond_coalescing(d_side, p_side) -> None:
+    """More runs than a layer group coalesces (NIXL then uses its prepared per-block lists)."""
+    d, p = d_side(), p_side()
+    src = list(range(0, 2 * (MAX_COALESCED_RUNS + 8), 2))
+    dst = list(range(NUM_BLOCKS - 1, NUM_BLOCKS - 1 - len(src), -1))
+    assert len(list(block_runs(src))) > MAX_COALESCED_RUNS
+    d.table.expect(RecvTask("r", "t", dst))
+    push(p, [task("t", d, src, dst, req_id="r")], groups=[(0, 1), (2, 3)])
+    assert p.wait_state("t", ["acked", "failed"]).state == "acked"
+    assert d.drain_until(lambda f, x: bool(f or x)) == ({"r"}, set())
+    assert_copied(p, d, list(zip(src, dst)))
+    # the prepared lists are reused by the next request on the same connection
+    d.table.expect(RecvTask("r2", "t2", dst[::-1]))
+    push(p, [task("t2", d, src[::-1], dst[::-1], req_id="r2")])
+    assert p.wait_state("t2", ["acked", "failed"]).state == "acked"
+    assert_copied(p, d, list(zip(src, dst)))
+
+
+def test_many_concurrent_requests_from_three_engines(d_side, p_side) -> None:
+    """3 prefill engines x 7 requests, each request 3 blocks in 2 chunks, all interleaved."""
+    d = d_side()
+    engines = [p_side(f"prefill-{i}", seed=100 + i) for i in range(3)]
+    plan: dict[str, tuple[int, list[int], list[int]]] = {}
+    free = iter(range(NUM_BLOCKS))
+    for e in range(3):
+        for r in range(7):
+            dst = [next(free) for _ in range(3)]
+            src = [(7 * e + 3 * r + k) % NUM_BLOCKS for k in range(3)]
+            plan[f"e{e}r{r}"] = (e, src, dst)
+            d.table.expect(RecvTask("req-" + f"e{e}r{r}", f"e{e}r{r}", dst))
+
+    def run(e: int) -> None:
+        mine = [(tid, src, dst) for tid, (eng, src, dst) in plan.items() if eng == e]
+        first = [task(tid, d, src[:2], dst[:2], final=False, req_id="req-" + tid)
+                 for tid, src, dst in mine]
+        push(engines[e], first, step=1)
+        second = [task(tid, d, src[2:], dst[2:], final=True, req_id="req-" + tid)
+                  for tid, src, dst in mine]
+        push(engines[e], second, step=2)
+
+    threads = [threading.Thread(target=run, args=(e,)) for e in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for tid, (e, _, _) in plan.items():
+        out = engines[e].wait_state(tid, ["acked", "failed"])
+        assert out.state == "acked", (tid, out.reason)
+        assert out.frames == 4
+    finished, failed = d.drain_until(lambda f, x: len(f) + len(x) == len(plan))
+    assert failed == set() and finished == {"req-" + t for t in plan}
+    for tid, (e, src, dst) in plan.items():
+        for layer in range(NUM_LAYERS):
+            for s, t in zip(src, dst):
+                assert d.block(layer, t) == engines[e].block(layer, s), (tid, layer, s, t)
+    assert d.table.pending() == 0

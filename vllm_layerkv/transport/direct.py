@@ -1,0 +1,122 @@
+"""Direct-write planes: ways for P to put KV into D's memory itself, instead of sending bytes.
+
+Every plane follows the same three steps, and the TCP control connection (``tcp.py``) does the
+rest, so completion, ordering and failure semantics are the transport's, not the plane's:
+
+1. D, at start: ``prepare()`` registers or exports its KV memory with the plane.
+2. D, per sender: ``offer(hello)`` returns what that sender needs to reach the memory (an
+   export in ``HelloAck``), or None when the plane cannot serve it (e.g. CUDA IPC to another
+   host).
+3. P, per decode rank: ``attach(export)`` returns a ``PeerWriter``; the sender thread calls its
+   ``write`` between D's ``WriteGrant`` and P's ``DirectWritten``, so D's bookkeeping guards
+   its blocks exactly as for bytes it receives.
+
+Planes: ``cuda_ipc.py`` (same host, KV on CUDA), ``nixl.py`` (NIXL agents: UCX, libfabric...),
+``mooncake.py`` (Mooncake TransferEngine, tcp or rdma).
+"""
+
+from __future__ import annotations
+
+import socket
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from functools import lru_cache
+
+import torch
+
+from vllm_layerkv.protocol import DirectExport, Hello
+
+
+class DirectUnavailable(RuntimeError):
+    """A direct plane cannot serve this peer (or this worker); the message says why."""
+
+
+class DirectWriteFailed(RuntimeError):
+    """A direct write was attempted and did not complete; the transfer fails."""
+
+
+@lru_cache(maxsize=1)
+def host_id() -> str:
+    """Identity of this host: two processes with equal ids can share CUDA IPC handles."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "no-boot-id"
+    return f"{socket.gethostname()}/{boot}"
+
+
+def paired_runs(src_blocks: Sequence[int],
+                dst_blocks: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Maximal runs (src_start, dst_start, length) that are consecutive on both sides: one
+    descriptor / memcpy each. vLLM hands out free blocks mostly in order, so a prompt's blocks
+    usually form a handful of runs."""
+    if len(src_blocks) != len(dst_blocks):
+        raise ValueError("src_blocks and dst_blocks differ in length")
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src_blocks, dst_blocks):
+        if runs:
+            s0, d0, n = runs[-1]
+            if s == s0 + n and d == d0 + n:
+                runs[-1] = (s0, d0, n + 1)
+                continue
+        runs.append((s, d, 1))
+    return runs
+
+
+def check_geometry(plane: str, num_layers: int, block_bytes: int, local: Sequence[torch.Tensor]
+                   ) -> None:
+    """The peer's KV must have this worker's layer count and block size (the Hello check
+    already compared the models; this guards the addresses the plane computes)."""
+    if num_layers != len(local) or block_bytes != local[0].shape[1]:
+        raise DirectUnavailable(
+            f"{plane}: decode exported {num_layers} layers x {block_bytes} B blocks, this "
+            f"worker has {len(local)} x {local[0].shape[1]} B")
+
+
+def check_blocks(blocks: Sequence[int], num_blocks: int) -> None:
+    if any(not 0 <= b < num_blocks for b in blocks):
+        raise ValueError(f"block id out of range 0..{num_blocks - 1} in {list(blocks)[:8]}")
+
+
+class PeerWriter(ABC):
+    """P side: one decode rank's KV, writable from this process. Used by the sender thread
+    only."""
+
+    description: str
+    """For logs: what the writes go through."""
+
+    @abstractmethod
+    def write(self, layers: Sequence[int], src_blocks: Sequence[int],
+              dst_blocks: Sequence[int]) -> int:
+        """Write every listed layer's ``src_blocks`` into the peer's ``dst_blocks``; return
+        only once the bytes are in the peer's memory. Returns bytes written; raises
+        ``DirectWriteFailed`` (or ValueError for bad block ids)."""
+
+    def close(self) -> None:
+        """Forget the peer (its channel closed)."""
+
+
+class DirectPlane(ABC):
+    """One worker's direct-write mechanism, both halves."""
+
+    name: str
+
+    def __init__(self, local: Sequence[torch.Tensor]):
+        self.local = list(local)
+        """Per layer, this worker's KV as a ``[num_blocks, block_bytes]`` uint8 view."""
+
+    @abstractmethod
+    def prepare(self) -> None:
+        """D side, once at start (before any forward pass): make the KV reachable."""
+
+    @abstractmethod
+    def offer(self, hello: Hello) -> DirectExport | None:
+        """D side: the export for this sender, or None if the plane cannot serve it."""
+
+    @abstractmethod
+    def attach(self, export: DirectExport) -> PeerWriter:
+        """P side: reach a decode rank's KV (raises DirectUnavailable)."""
+
+    def shutdown(self) -> None:
+        """Release what ``prepare`` / ``attach`` took."""

@@ -1,0 +1,126 @@
+"""Mooncake plane (``transport=mooncake``, or ``auto`` when Mooncake is importable and NIXL is
+not): P writes into D's KV with the Mooncake ``TransferEngine``.
+
+* Each worker starts one engine with P2P handshake (no etcd / metadata server): its segment
+  is named ``host:rpc_port`` and peers reach it directly. ``mooncake_protocol`` picks tcp or
+  rdma (``mooncake_device`` names the RDMA NICs).
+* Each worker registers its KV tensors with the engine at start; D offers its session name and
+  per-layer base addresses in ``HelloAck``.
+* P writes one batch per layer group: one entry per (layer, run of blocks adjacent on both
+  sides), with ``batch_transfer_sync_write``, which returns once the batch is in D's memory
+  and releases the GIL while it waits (measured), so the sender thread blocks, not the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from vllm_layerkv.protocol import DirectExport, Hello, MooncakeExport
+from vllm_layerkv.transport.direct import (
+    DirectPlane,
+    DirectUnavailable,
+    DirectWriteFailed,
+    PeerWriter,
+    check_blocks,
+    check_geometry,
+    paired_runs,
+)
+
+logger = logging.getLogger("vllm.layerkv.transport.mooncake")
+INSTALL_HINT = ("install it with: pip install 'vllm-layerkv[mooncake]' (CUDA hosts) or "
+                "'vllm-layerkv[mooncake-cpu]'; the wheels need libibverbs.so.1 "
+                "(Debian/Ubuntu: apt-get install libibverbs1)")
+
+
+_ENGINES: list[Any] = []
+"""Every engine this process made, kept until exit: destroying a TransferEngine blocks for
+about a second while holding the GIL (measured), which would stall the engine's forward pass
+(or, in tests, every other thread) whenever the garbage collector got to one."""
+
+
+def transfer_engine() -> Any:
+    """A new ``mooncake.engine.TransferEngine``, or DirectUnavailable naming what to install."""
+    try:
+        from mooncake.engine import TransferEngine
+    except ImportError as e:
+        raise DirectUnavailable(f"Mooncake is not usable ({e}); {INSTALL_HINT}") from None
+    engine = TransferEngine()
+    _ENGINES.append(engine)
+    return engine
+
+
+class MooncakePeer(PeerWriter):
+    def __init__(self, engine: Any, export: MooncakeExport, local: Sequence[torch.Tensor]):
+        check_geometry("mooncake", len(export.layer_addrs), export.block_bytes, local)
+        self._engine = engine
+        self._export = export
+        self._local_addrs = [t.data_ptr() for t in local]
+        self._local_blocks = local[0].shape[0]
+        self.description = f"Mooncake {export.protocol}, segment {export.session}"
+
+    def write(self, layers: Sequence[int], src_blocks: Sequence[int],
+              dst_blocks: Sequence[int]) -> int:
+        check_blocks(src_blocks, self._local_blocks)
+        check_blocks(dst_blocks, self._export.num_blocks)
+        if not layers or not src_blocks:
+            return 0
+        ex, bb = self._export, self._export.block_bytes
+        runs = paired_runs(src_blocks, dst_blocks)
+        srcs = [self._local_addrs[layer] + s * bb for layer in layers for s, _, _ in runs]
+        dsts = [ex.layer_addrs[layer] + d * bb for layer in layers for _, d, _ in runs]
+        lens = [n * bb for _ in layers for _, _, n in runs]
+        rc = self._engine.batch_transfer_sync_write(ex.session, srcs, dsts, lens)
+        if rc != 0:
+            raise DirectWriteFailed(f"mooncake: batch write of {len(lens)} runs to "
+                                    f"{ex.session} failed (rc={rc}; see the engine's log)")
+        return len(layers) * len(src_blocks) * bb
+
+
+class MooncakePlane(DirectPlane):
+    name = "mooncake"
+
+    def __init__(self, local: Sequence[torch.Tensor], host: str, protocol: str = "tcp",
+                 device: str = ""):
+        super().__init__(local)
+        self._protocol = protocol
+        self._engine = transfer_engine()
+        rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device)
+        if rc != 0:
+            raise DirectUnavailable(
+                f"mooncake: TransferEngine.initialize({host!r}, P2PHANDSHAKE, {protocol!r}, "
+                f"{device!r}) failed (rc={rc}); check host / mooncake_protocol / "
+                "mooncake_device")
+        self._session = f"{host}:{self._engine.get_rpc_port()}"
+        self._registered: list[int] = []
+        for t in self.local:
+            if self._engine.register_memory(t.data_ptr(), t.numel() * t.element_size()) != 0:
+                self.shutdown()
+                raise DirectUnavailable("mooncake: cannot register the KV cache with the "
+                                        "transfer engine (see the engine's log)")
+            self._registered.append(t.data_ptr())
+        self._export: MooncakeExport | None = None
+
+    def prepare(self) -> None:
+        first = self.local[0]
+        self._export = MooncakeExport(
+            session=self._session, protocol=self._protocol, num_blocks=first.shape[0],
+            block_bytes=first.shape[1], layer_addrs=[t.data_ptr() for t in self.local])
+
+    def offer(self, hello: Hello) -> MooncakeExport | None:
+        return self._export
+
+    def attach(self, export: DirectExport) -> MooncakePeer:
+        assert isinstance(export, MooncakeExport)
+        return MooncakePeer(self._engine, export, self.local)
+
+    def shutdown(self) -> None:
+        for ptr in self._registered:
+            try:
+                self._engine.unregister_memory(ptr)
+            except Exception:  # noqa: BLE001 - best effort at exit
+                pass
+        self._registered.clear()
