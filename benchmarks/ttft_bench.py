@@ -13,6 +13,9 @@ Configurations (``--configs``):
   nixl-tcp     same with UCX_TLS=tcp,cuda_copy,self (no GPU-direct)
   layerkv      LayerKV P + D behind the project's proxy (transport auto: CUDA IPC on one host)
   layerkv-tcp  same with transport=tcp (KV through pinned host memory and a TCP socket)
+  layerkv-nixl      same with transport=nixl (UCX's default transports: CUDA IPC between GPUs)
+  layerkv-nixl-tcp  same with transport=nixl and UCX_TLS=tcp,cuda_copy,self (like nixl-tcp)
+  layerkv-mooncake  same with transport=mooncake (Mooncake TransferEngine, protocol tcp)
 
 GPU (lent H200s, see ../shared/gpu/README.md):
   python3 benchmarks/ttft_bench.py --device cuda --model $HOME/stage/core/models/llama8b \
@@ -27,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import signal
 import subprocess
 import sys
@@ -69,6 +71,16 @@ def server(args: argparse.Namespace, role: str, out: Path, kv: dict | None,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
 
 
+LAYERKV_CONFIGS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
+    # name: (kv_connector_extra_config of P and D, environment of P and D)
+    "layerkv": ({}, {}),
+    "layerkv-tcp": ({"transport": "tcp"}, {}),
+    "layerkv-nixl": ({"transport": "nixl"}, {}),
+    "layerkv-nixl-tcp": ({"transport": "nixl"}, {"UCX_TLS": "tcp,cuda_copy,self"}),
+    "layerkv-mooncake": ({"transport": "mooncake", "mooncake_protocol": "tcp"}, {}),
+}
+
+
 def start_config(name: str, args: argparse.Namespace, out: Path) -> tuple[str, list, list]:
     """Start a configuration; returns (base URL to bench, vLLM servers, helper processes)."""
     cdir = out / name
@@ -98,8 +110,11 @@ def start_config(name: str, args: argparse.Namespace, out: Path) -> tuple[str, l
                      f"http://127.0.0.1:{port}")
         proxy.wait_ready()
         return proxy.url, [p, d], [proxy]
-    if name in ("layerkv", "layerkv-tcp"):
-        common: dict[str, Any] = {"transport": "tcp"} if name == "layerkv-tcp" else {}
+    if name in LAYERKV_CONFIGS:
+        common, env = LAYERKV_CONFIGS[name]
+        common = dict(common)
+        if args.device == "cpu" and "UCX_TLS" in env:
+            env = {**env, "UCX_TLS": "tcp"}
         trace = ["--trace", str(cdir / "trace")] if args.trace else []
         if args.trace:
             common["trace_path"] = str(cdir / "trace")
@@ -109,9 +124,9 @@ def start_config(name: str, args: argparse.Namespace, out: Path) -> tuple[str, l
         # module path too: works even where the package's entry point is not installed
         lkv = {"kv_connector": "LayerKV", "kv_connector_module_path": "vllm_layerkv"}
         p = server(args, "prefill", cdir, {**lkv, "kv_role": "kv_producer",
-                                           "kv_connector_extra_config": p_extra}, slot=0)
+                                           "kv_connector_extra_config": p_extra}, env, slot=0)
         d = server(args, "decode", cdir, {**lkv, "kv_role": "kv_consumer",
-                                          "kv_connector_extra_config": common}, slot=1)
+                                          "kv_connector_extra_config": common}, env, slot=1)
         start_all([p, d], timeout=args.start_timeout)
         port = free_port()
         proxy = HelperProcess([sys.executable, "-m", "vllm_layerkv.cli", "proxy", "--prefill", p.url,
@@ -183,16 +198,11 @@ def greedy_ids(url: str, prompts: list[list[int]], max_tokens: int) -> list[list
 
 
 def layerkv_transport_used(log_path: Path) -> str:
-    """What P's log says it used for its decode endpoints (the choice is made per endpoint at
-    the first transfer and logged with the reason)."""
+    """What P's log says it used for its decode endpoints (``transports_used``)."""
+    from vllm_layerkv.testing.cluster import transports_used
+
     text = log_path.read_text(errors="replace") if log_path.exists() else ""
-    used = []
-    if "copying KV device to device" in text:
-        used.append("cuda_ipc")
-    # a fallback names its reason ("... over TCP: why"); a worker set to tcp says so when ready
-    if "over TCP:" in text or re.search(r"transport tcp(,|$)", text, re.MULTILINE):
-        used.append("tcp")
-    return "+".join(used) or "unknown"
+    return transports_used(text)
 
 
 def summarize(result: dict[str, Any]) -> dict[str, float]:

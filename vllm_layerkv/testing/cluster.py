@@ -9,6 +9,7 @@ time it). On a machine with more cores the same binds still work.
 from __future__ import annotations
 
 import json
+import re
 import sys
 import threading
 import time
@@ -197,3 +198,15 @@ def wait_idle(server: VllmServer, timeout: float = 30.0) -> dict[str, float]:
         if not any(readings.values()) or time.monotonic() > deadline:
             return readings
         time.sleep(0.5)
+
+
+def transports_used(prefill_log: str) -> str:
+    """What a prefill instance's log says it moved KV with, e.g. "nixl" or "cuda_ipc+tcp": the
+    choice is made per decode endpoint when its channel opens and logged with the reason
+    (``transport/tcp.py``); a worker set to plain tcp says so when it is ready."""
+    used = sorted(set(re.findall(r"writing KV into decode \S+ directly via (\w+)",
+                                 prefill_log)))
+    if "over TCP (" in prefill_log or re.search(r"transport tcp(,|$)", prefill_log,
+                                                  re.MULTILINE):
+        used.append("tcp")
+    return "+".join(used) or "unknown"

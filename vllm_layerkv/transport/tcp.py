@@ -240,8 +240,8 @@ class TcpTransport(Transport):
             except DirectUnavailable as e:
                 reasons.append(f"{plane.name}: {e}")
                 continue
-            logger.info("LayerKV: writing KV into decode %s directly (%s)", endpoint,
-                        writer.description)
+            logger.info("LayerKV: writing KV into decode %s directly via %s (%s)", endpoint,
+                        plane.name, writer.description)
             return writer
         why = "; ".join(reasons)
         if self._required:

@@ -1,0 +1,65 @@
+"""Each transport end to end with real `vllm serve` P and D on CPU (SmolLM2-135M, float32
+greedy): the same prompts through the proxy must give the reference instance's tokens, and P's
+log must show the engine that actually moved the KV.
+
+One P/D pair per transport, started in turn (the session cluster's reference instance serves
+the expected outputs). The session cluster itself runs the default, ``transport: auto``, which
+on a machine with NIXL installed picks NIXL.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from prompts import PROMPTS
+
+from vllm_layerkv.testing.cluster import (
+    MODEL_NAME,
+    ClusterSpec,
+    PDCluster,
+    transports_used,
+    wait_idle,
+)
+from vllm_layerkv.testing.models import model_path
+from vllm_layerkv.testing.servers import post_json
+
+pytestmark = pytest.mark.e2e
+MAX_TOKENS = 16
+SAMPLE = PROMPTS[::3]  # 8 prompts, short to multi-chunk
+
+
+def generate(url: str, prompt: str) -> list[int]:
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": MAX_TOKENS,
+            "temperature": 0, "return_token_ids": True}
+    status, data = post_json(url + "/v1/completions", body, timeout=300)
+    assert status == 200, f"HTTP {status}: {data}"
+    return data["choices"][0]["token_ids"]
+
+
+def test_default_transport_is_auto_and_logged(cluster: PDCluster) -> None:
+    """The session cluster sets no transport: P logs auto's choice and why, per worker."""
+    log = cluster.prefill.log_path.read_text(errors="replace")
+    assert "LayerKV transport=auto:" in log
+    assert transports_used(log) in ("nixl", "mooncake", "tcp")
+
+
+@pytest.mark.parametrize("transport", ["tcp", "nixl", "mooncake"])
+def test_transport_outputs_token_identical(transport: str, cluster: PDCluster,
+                                           tmp_path: Path) -> None:
+    assert cluster.reference is not None
+    expected = [generate(cluster.reference.url, p) for p in SAMPLE]
+    spec = ClusterSpec(model=model_path("smollm2"), workdir=tmp_path, with_reference=False,
+                       prefill_extra={"transport": transport},
+                       decode_extra={"transport": transport})
+    with PDCluster(spec) as pd:
+        assert pd.proxy is not None
+        got = [generate(pd.proxy.url, p) for p in SAMPLE]
+        for server in (pd.prefill, pd.decode):
+            readings = wait_idle(server)
+            assert not any(readings.values()), f"{server.log_path.stem} leaked: {readings}"
+        used = transports_used(pd.prefill.log_path.read_text(errors="replace"))
+    assert used == transport
+    mismatches = [i for i, (e, g) in enumerate(zip(expected, got)) if e != g]
+    assert not mismatches, f"prompts {mismatches} differ over {transport}"
