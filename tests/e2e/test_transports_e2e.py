@@ -39,7 +39,10 @@ def generate(url: str, prompt: str) -> list[int]:
 
 
 def test_default_transport_is_auto_and_logged(cluster: PDCluster) -> None:
-    """The session cluster sets no transport: P logs auto's choice and why, per worker."""
+    """The session cluster sets no transport: P logs auto's choice and why at start, and the
+    engine it picked for the decode endpoint at the first transfer."""
+    assert cluster.proxy is not None
+    generate(cluster.proxy.url, SAMPLE[-1])
     log = cluster.prefill.log_path.read_text(errors="replace")
     assert "LayerKV transport=auto:" in log
     assert transports_used(log) in ("nixl", "mooncake", "tcp")
