@@ -1,0 +1,114 @@
+"""Head slices of KV blocks through a staging buffer, for prefill and decode with different TP.
+
+When P and D split the KV heads differently (``tp.py``), a decode rank needs only some heads
+of each of P's blocks (or P only some of D's). Sent as they are, that is one tiny transfer per
+(layer, block, rank): tens of thousands per request. Instead, per layer group and target rank:
+
+* P ``gather``s the route's head slice of every block of the group into one contiguous staging
+  buffer (payload order: layer, then block, then the slice's bytes) and sends it in one
+  transfer;
+* D receives it into a staging buffer of its own and ``scatter``s it into its blocks at the
+  route's head offset.
+
+In the HND layout a block is ``[local_heads, block_size, content]``, so a head slice is one
+contiguous byte range of each block and both copies are a single ``index_select`` /
+``index_copy_`` per layer on the KV's device (CPU or GPU), never on the forward path.
+
+``StagingPool`` bounds the memory: a fixed number of buffers of a fixed size, reused; a sender
+that finds none free waits (bounded by a timeout), so nothing is overwritten before it was
+sent, and nothing is allocated per request.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import torch
+
+
+class StagingError(RuntimeError):
+    """A staging buffer could not be had in time, or a request does not fit one."""
+
+
+def slice_bytes(block_bytes: int, local_heads: int, num_heads: int) -> int:
+    if block_bytes % local_heads:
+        raise StagingError(f"a {block_bytes} B block does not split into {local_heads} heads")
+    return block_bytes // local_heads * num_heads
+
+
+def _heads_view(t: torch.Tensor, local_heads: int) -> torch.Tensor:
+    """``[num_blocks, block_bytes]`` uint8 -> ``[num_blocks, local_heads, head_bytes]``."""
+    return t.view(t.shape[0], local_heads, t.shape[1] // local_heads)
+
+
+def gather(tensors: Sequence[torch.Tensor], layers: Sequence[int], blocks: Sequence[int],
+           first_head: int, num_heads: int, local_heads: int, out: torch.Tensor) -> torch.Tensor:
+    """Copy heads ``[first_head, first_head + num_heads)`` of ``blocks`` of every layer in
+    ``layers`` into ``out`` (uint8, on the KV's device); returns the filled prefix of ``out``.
+    ``tensors[layer]`` is a layer's KV as ``[num_blocks, block_bytes]`` uint8."""
+    nbytes = slice_bytes(tensors[0].shape[1], local_heads, num_heads)
+    total = len(layers) * len(blocks) * nbytes
+    if total > out.numel():
+        raise StagingError(f"{total} B of head slices do not fit a {out.numel()} B buffer")
+    idx = torch.as_tensor(list(blocks), dtype=torch.long, device=tensors[0].device)
+    dst = out[:total].view(len(layers), len(blocks), num_heads, nbytes // num_heads)
+    for i, layer in enumerate(layers):
+        src = _heads_view(tensors[layer], local_heads)[:, first_head:first_head + num_heads]
+        torch.index_select(src, 0, idx, out=dst[i])
+    return out[:total]
+
+
+def scatter(payload: torch.Tensor, tensors: Sequence[torch.Tensor], layers: Sequence[int],
+            blocks: Sequence[int], first_head: int, num_heads: int, local_heads: int) -> None:
+    """The inverse of ``gather``: write ``payload`` (gather's order) into heads
+    ``[first_head, first_head + num_heads)`` of ``blocks`` of every layer in ``layers``."""
+    nbytes = slice_bytes(tensors[0].shape[1], local_heads, num_heads)
+    if payload.numel() != len(layers) * len(blocks) * nbytes:
+        raise StagingError(f"payload of {payload.numel()} B is not {len(layers)} layers x "
+                           f"{len(blocks)} blocks x {nbytes} B")
+    idx = torch.as_tensor(list(blocks), dtype=torch.long, device=tensors[0].device)
+    src = payload.view(len(layers), len(blocks), num_heads, nbytes // num_heads)
+    for i, layer in enumerate(layers):
+        dst = _heads_view(tensors[layer], local_heads)[:, first_head:first_head + num_heads]
+        # dst is a strided view of the cache: index_copy_ on it writes through to the cache
+        dst.index_copy_(0, idx, src[i])
+
+
+class StagingPool:
+    """``count`` reusable buffers of ``buffer_bytes`` each, allocated once on ``device``."""
+
+    def __init__(self, count: int, buffer_bytes: int, device: torch.device | str = "cpu",
+                 pin_memory: bool = False):
+        if count < 1 or buffer_bytes < 1:
+            raise StagingError("a staging pool needs at least one buffer of at least one byte")
+        self.buffer_bytes = buffer_bytes
+        self._free = [torch.empty(buffer_bytes, dtype=torch.uint8, device=device,
+                                  pin_memory=pin_memory) for _ in range(count)]
+        self._cond = threading.Condition()
+        self.waits = 0
+        """How often an acquire found no free buffer (back-pressure, for stats)."""
+
+    def acquire(self, nbytes: int, timeout: float) -> torch.Tensor:
+        """A free buffer of at least ``nbytes``; waits up to ``timeout`` s for one to be
+        released, then raises StagingError (the caller fails the transfer, it never
+        overwrites a buffer still in use)."""
+        if nbytes > self.buffer_bytes:
+            raise StagingError(f"{nbytes} B exceed the staging buffer size of "
+                               f"{self.buffer_bytes} B; send fewer layers or blocks at once")
+        with self._cond:
+            if not self._free:
+                self.waits += 1
+                if not self._cond.wait_for(lambda: bool(self._free), timeout):
+                    raise StagingError(f"no staging buffer was released within {timeout:.1f} s")
+            return self._free.pop()
+
+    def release(self, buf: torch.Tensor) -> None:
+        with self._cond:
+            self._free.append(buf)
+            self._cond.notify()
+
+    @property
+    def free(self) -> int:
+        with self._cond:
+            return len(self._free)
