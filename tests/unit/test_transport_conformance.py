@@ -432,3 +432,22 @@ def test_many_concurrent_requests_from_three_engines(d_side, p_side) -> None:
             for s, t in zip(src, dst):
                 assert d.block(layer, t) == engines[e].block(layer, s), (tid, layer, s, t)
     assert d.table.pending() == 0
+
+
+def test_layers_sharing_memory_are_registered_once(transport: str) -> None:
+    """Hybrid models and KV-sharing layers alias one buffer from several layers; the engines
+    must register it once and still address every layer."""
+    from vllm_layerkv.blockio import HostBlockIO
+    from vllm_layerkv.layout import KVLayout
+    from vllm_layerkv.transport import create_transport
+    from vllm_layerkv.transport.direct import memory_regions
+
+    base = torch.zeros(NUM_BLOCKS * BLOCK_BYTES * 2, dtype=torch.uint8)
+    views = [base[:NUM_BLOCKS * BLOCK_BYTES], base[:NUM_BLOCKS * BLOCK_BYTES],
+             base[NUM_BLOCKS * BLOCK_BYTES // 2:][:NUM_BLOCKS * BLOCK_BYTES]]
+    assert memory_regions(views) == [(base.data_ptr(), int(1.5 * NUM_BLOCKS * BLOCK_BYTES))]
+    layout = KVLayout(layer_names=[f"l{i}" for i in range(3)],
+                      tensors=[v.view(NUM_BLOCKS, BLOCK_BYTES) for v in views],
+                      num_blocks=NUM_BLOCKS, block_bytes=BLOCK_BYTES, device=torch.device("cpu"))
+    mover = create_transport(transport, HostBlockIO(layout))
+    mover.shutdown()

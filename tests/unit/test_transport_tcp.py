@@ -23,7 +23,7 @@ from vllm_layerkv.layout import KVLayout
 from vllm_layerkv.metadata import Peer, RecvTask, SendTask
 from vllm_layerkv.protocol import BlockData, CompatInfo, Hello, HelloAck
 from vllm_layerkv.receiver import RecvTable
-from vllm_layerkv.sender import AbortTransfer, FinishTransfer, GroupSend, Outgoing, Sender
+from vllm_layerkv.sender import FinishTransfer, GroupSend, Outgoing, Sender
 from vllm_layerkv.stats import WorkerStats
 from vllm_layerkv.trace import Tracer
 from vllm_layerkv.transport import create_transport, framing

@@ -64,6 +64,21 @@ def paired_runs(src_blocks: Sequence[int],
     return runs
 
 
+def memory_regions(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
+    """The distinct memory behind ``tensors`` as ``(address, nbytes)``, overlapping ranges
+    merged: layers may share memory (KV-sharing layers; in hybrid models, layers of different
+    KV cache groups own different blocks of one buffer), and engines refuse to register the
+    same bytes twice."""
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors)
+    merged: list[list[int]] = []
+    for start, end in spans:
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(start, end - start) for start, end in merged]
+
+
 def check_geometry(plane: str, num_layers: int, block_bytes: int, local: Sequence[torch.Tensor]
                    ) -> None:
     """The peer's KV must have this worker's layer count and block size (the Hello check

@@ -27,6 +27,7 @@ from vllm_layerkv.transport.direct import (
     PeerWriter,
     check_blocks,
     check_geometry,
+    memory_regions,
     paired_runs,
 )
 
@@ -96,12 +97,12 @@ class MooncakePlane(DirectPlane):
                 "mooncake_device")
         self._session = f"{host}:{self._engine.get_rpc_port()}"
         self._registered: list[int] = []
-        for t in self.local:
-            if self._engine.register_memory(t.data_ptr(), t.numel() * t.element_size()) != 0:
+        for addr, size in memory_regions(self.local):
+            if self._engine.register_memory(addr, size) != 0:
                 self.shutdown()
                 raise DirectUnavailable("mooncake: cannot register the KV cache with the "
                                         "transfer engine (see the engine's log)")
-            self._registered.append(t.data_ptr())
+            self._registered.append(addr)
         self._export: MooncakeExport | None = None
 
     def prepare(self) -> None:

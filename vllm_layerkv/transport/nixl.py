@@ -38,6 +38,7 @@ from vllm_layerkv.transport.direct import (
     PeerWriter,
     check_blocks,
     check_geometry,
+    memory_regions,
     paired_runs,
 )
 
@@ -225,8 +226,9 @@ class NixlPlane(DirectPlane):
         self._io_timeout = io_timeout
         self._agent = _new_agent(f"layerkv-{uuid.uuid4().hex[:12]}", backends)
         self._mem, self._dev = _mem(self.local)
+        regions = [(addr, size, self._dev, "") for addr, size in memory_regions(self.local)]
         try:
-            self._reg = self._agent.register_memory(self.local)
+            self._reg = self._agent.register_memory(regions, self._mem)
         except Exception as e:  # noqa: BLE001
             raise DirectUnavailable(f"nixl: cannot register the KV cache: {e}") from None
         self._export: NixlExport | None = None
