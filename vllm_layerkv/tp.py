@@ -17,7 +17,8 @@ def check_supported(p_tp: int, d_tp: int) -> None:
     if p_tp != d_tp:
         raise TPMismatchError(
             f"prefill tensor_parallel_size={p_tp} != decode tensor_parallel_size={d_tp}: this "
-            "LayerKV version needs equal TP on prefill and decode"
+            "LayerKV version needs equal TP on prefill and decode (it slices neither KV heads nor "
+            "Mamba state across ranks)"
         )
 
 

@@ -187,8 +187,8 @@ def test_streamed_prefill_to_decode(engines) -> None:
     tasks = [r.meta.sends[0] for r in steps]
     for task, (lo, hi) in zip(tasks, [(0, 4), (3, 7), (7, 10)]):
         assert task.req_id == rp.request_id and task.transfer_id == "t1"
-        assert task.src_blocks == p_blocks[lo:hi]
-        assert task.dst_blocks == d_blocks[lo:hi]
+        assert task.src_blocks[0] == p_blocks[lo:hi]
+        assert task.dst_blocks[0] == d_blocks[lo:hi]
         assert task.streamed is True
         assert task.peer.data_endpoints == [d.worker.get_handshake_metadata().data_endpoint]
     assert [t.final for t in tasks] == [False, False, True]
@@ -250,7 +250,7 @@ def test_short_prompt_goes_whole_at_the_end_of_the_step(engines) -> None:
     p.run_until(lambda: rp.request_id in p.finished, others=(d,))
     (task,) = sends_of(p)
     assert task.streamed is False and task.final is True and task.new_tokens == 40
-    assert task.src_blocks == p.block_ids(rp.request_id) and task.dst_blocks == d_blocks
+    assert task.src_blocks[0] == p.block_ids(rp.request_id) and task.dst_blocks[0] == d_blocks
     d.run_until(lambda: reported(d, "finished_recving", rd.request_id) == 1, others=(p,))
     assert_kv_arrived(d, rd, d_blocks)
     run_both_until_idle(p, d)
@@ -279,7 +279,7 @@ def test_registration_after_prefill_finished_is_flushed(engines) -> None:
     assert len(flushes) == 1
     (flush,) = flushes
     assert flush.final and not flush.streamed
-    assert flush.dst_blocks == d_blocks and len(flush.src_blocks) == 7
+    assert flush.dst_blocks[0] == d_blocks and len(flush.src_blocks[0]) == 7
     d.run_until(lambda: reported(d, "finished_recving", rd.request_id) == 1, others=(p,))
     assert_kv_arrived(d, rd, d_blocks)
     run_both_until_idle(p, d)
@@ -299,7 +299,7 @@ def test_decode_timeout_fails_the_request_and_cancels(engines, fake_prefill, pol
     assert rd.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     reg = got.get(timeout=5)
     assert isinstance(reg, Register) and reg.transfer_id == "slow"
-    assert reg.block_ids == d.block_ids(rd.request_id) and reg.num_tokens == 40
+    assert reg.block_ids[0] == d.block_ids(rd.request_id) and reg.num_tokens == 40
     assert reg.start_token == 0 and reg.tp_size == 1
 
     time.sleep(0.35)
@@ -493,11 +493,11 @@ def test_decode_prefix_cache_hit_receives_only_the_tail(engines) -> None:
         run_both_until_idle(p, d)
     first, second = [[t for t in sends_of(p) if t.transfer_id == tid]
                      for tid in ("first", "second")]
-    assert [len(t.src_blocks) for t in first] == [4, 4, 3]
+    assert [len(t.src_blocks[0]) for t in first] == [4, 4, 3]
     # D had 9 full blocks (144 tokens) cached: P sends only block 9, never D's cached blocks
     (tail,) = second
     assert tail.new_tokens == 6 and tail.final
-    assert len(tail.src_blocks) == 1 and tail.dst_blocks == d_blocks[9:10]
+    assert len(tail.src_blocks[0]) == 1 and tail.dst_blocks[0] == d_blocks[9:10]
 
 
 def test_duplicate_transfer_id_is_served_locally(engines) -> None:
@@ -565,9 +565,9 @@ def test_prefill_preempted_mid_stream_resends_from_its_new_blocks(engines, runne
     p.run_until(lambda: rp.request_id in p.finished, others=(d,), timeout=30)
     assert rp.num_preemptions == 1  # the scenario really happened
     final = sends_of(p)[-1]
-    lo = 10 - len(final.src_blocks)
-    assert final.final and final.src_blocks == p.block_ids(rp.request_id)[lo:]
-    assert final.dst_blocks == d_blocks[lo:]
+    lo = 10 - len(final.src_blocks[0])
+    assert final.final and final.src_blocks[0] == p.block_ids(rp.request_id)[lo:]
+    assert final.dst_blocks[0] == d_blocks[lo:]
     d.run_until(lambda: reported(d, "finished_recving", rd.request_id) == 1, others=(p,))
     assert_kv_arrived(d, rd, d_blocks)
     run_both_until_idle(p, d)

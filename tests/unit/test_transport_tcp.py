@@ -174,7 +174,7 @@ def task(tid: str, d: DSide, src: list[int], dst: list[int], final: bool = True,
          req_id: str | None = None) -> SendTask:
     return SendTask(req_id=req_id or f"req-{tid}", transfer_id=tid,
                     peer=PEER(d),
-                    src_blocks=src, dst_blocks=dst, final=final, new_tokens=16 * len(src))
+                    src_blocks=[src], dst_blocks=[dst], final=final, new_tokens=16 * len(src))
 
 
 def push(p: PSide, tasks: list[SendTask], groups: Sequence[Sequence[int]] = ((0, 1), (2, 3)),
@@ -445,7 +445,7 @@ def test_unreachable_decode_fails_the_transfer(p_side) -> None:
         port = s.getsockname()[1]  # bound, not listening: connection refused
         p = p_side()
         t = SendTask(req_id="r", transfer_id="t",
-                     peer=Peer("d", 1, [f"127.0.0.1:{port}"]), src_blocks=[0], dst_blocks=[0],
+                     peer=Peer("d", 1, [f"127.0.0.1:{port}"]), src_blocks=[[0]], dst_blocks=[[0]],
                      final=True, new_tokens=16)
         push(p, [t])
         out = p.wait_state("t", ["acked", "failed"])
