@@ -203,3 +203,18 @@ def test_layers_of_different_groups_sharing_memory_are_all_kept() -> None:
         {_name(0): shared, _name(1): shared, _name(2): shared},
         NUM_BLOCKS, {_name(0): 0, _name(1): 1, _name(2): 1})
     assert layout.layer_names == [_name(0), _name(1)] and layout.layer_groups == [0, 1]
+
+
+def test_padded_mamba_view_is_moved_as_whole_pages() -> None:
+    """vLLM 0.32 registers a Mamba layer as [blocks, 1, 1, state_bytes] over pages padded to
+    the attention page size (block stride = page): the layout addresses the whole page."""
+    page, state = 1024, 300
+    raw = torch.zeros(NUM_BLOCKS * page, dtype=torch.int8)
+    mamba = torch.as_strided(raw, (NUM_BLOCKS, 1, 1, state), (page, state, state, 1))
+    attn = torch.zeros(NUM_BLOCKS, page // 4, dtype=torch.float32)
+    layout = KVLayout.from_kv_caches({"model.layers.0.mixer": mamba, _name(1): attn},
+                                     NUM_BLOCKS, {"model.layers.0.mixer": 0, _name(1): 1})
+    assert layout.block_bytes == page
+    view = layout.host_block_views()[0]
+    view[3, :state] = 5
+    assert bool((mamba[3] == 5).all()) and int(raw[3 * page + state]) == 0 == int(mamba[4].sum())
