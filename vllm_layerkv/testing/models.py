@@ -321,6 +321,25 @@ def _build_tiny_granite_hybrid(out: Path) -> None:
     _save_random(out, GraniteMoeHybridForCausalLM, cfg)
 
 
+def _build_tiny_nemotronh(out: Path) -> None:
+    """NemotronH, pattern ``M-M*-M*-``: Mamba2 (M), attention (*) and MLP-only (-) layers; the
+    MLP layers have no KV cache at all. Same config keys as the GPU benchmark's
+    ``benchmarks/gpu_models/nemotronh8b``, scaled down."""
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    tok = _copy_tiny_tokenizer(out)
+    pattern = "M-M*-M*-"
+    cfg = NemotronHConfig(
+        vocab_size=TINY_VOCAB, hidden_size=256, intermediate_size=512, mlp_hidden_act="relu2",
+        hybrid_override_pattern=pattern, num_hidden_layers=len(pattern),
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        mamba_num_heads=8, mamba_head_dim=64, ssm_state_size=16, n_groups=1, conv_kernel=4,
+        expand=2, chunk_size=64, max_position_embeddings=TINY_MAX_POS,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
+    _save_random(out, NemotronHForCausalLM, cfg)
+
+
 def _build_tiny_qwen3next(out: Path) -> None:
     """Qwen3Next: 4 layers, gated-delta-net ``linear_attention`` x3 then full attention, with a
     tiny MoE (4 experts)."""
@@ -415,8 +434,12 @@ RECIPES: dict[str, Recipe] = {
         "tiny-granite-hybrid", "1", _build_tiny_granite_hybrid,
         "6-layer random GraniteMoeHybrid (Mamba2 + attention, no experts), float32",
     ),
+    "tiny-nemotronh": Recipe(
+        "tiny-nemotronh", "1", _build_tiny_nemotronh,
+        "8-layer random NemotronH (3 Mamba2, 2 attention, 3 MLP layers), float32",
+    ),
     "tiny-qwen3next": Recipe(
-        "tiny-qwen3next", "2", _build_tiny_qwen3next,
+        "tiny-qwen3next", "4", _build_tiny_qwen3next,
         "4-layer random Qwen3Next (3 gated-delta-net + 1 attention, 4 experts), float32 weights",
     ),
     "gemma3-270m": Recipe(
