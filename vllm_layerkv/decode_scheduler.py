@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_layerkv.config import LayerKVConfig
+from vllm_layerkv.kvgroups import NULL_BLOCK
 from vllm_layerkv.metadata import LayerKVMetadata, RecvClose, RecvTask
 from vllm_layerkv.protocol import Cancel, CompatInfo, Refused, Register
 from vllm_layerkv.registrar import RegistrationClient
@@ -39,8 +40,11 @@ class _Waiting:
 
 
 class DecodeScheduler:
-    def __init__(self, config: LayerKVConfig, compat: CompatInfo, tp_size: int, engine_id: str):
+    def __init__(self, config: LayerKVConfig, compat: CompatInfo, tp_size: int, engine_id: str,
+                 backoff: int = 0):
         self._config = config
+        self._backoff = backoff
+        """Trailing prompt tokens D computes itself (Mamba state: P sends h(N-1))."""
         self._compat = compat
         self._tp_size = tp_size
         self._engine_id = engine_id
@@ -66,7 +70,7 @@ class DecodeScheduler:
             # P has long released the prompt's KV, so D recomputes it (prefix cache permitting).
             return 0, False
         self._local_hits[request.request_id] = num_computed_tokens
-        n = request.num_prompt_tokens - num_computed_tokens
+        n = request.num_prompt_tokens - self._backoff - num_computed_tokens
         return (n, True) if n > 0 else (0, False)
 
     def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int,
@@ -83,7 +87,7 @@ class DecodeScheduler:
             return
         if not self._data_endpoints:
             raise RuntimeError("LayerKV decode workers have not published data endpoints")
-        block_ids = list(blocks.get_block_ids()[0])
+        block_ids = [list(g) for g in blocks.get_block_ids()]
         reg = Register(
             transfer_id=params.transfer_id, engine_id=self._engine_id, compat=self._compat,
             tp_size=self._tp_size, data_endpoints=self._data_endpoints, block_ids=block_ids,
@@ -92,7 +96,8 @@ class DecodeScheduler:
                      deadline=time.monotonic() + self._config.kv_wait_timeout_s)
         self._waiting[req_id] = w
         self._by_tid[params.transfer_id] = w
-        self._pending.recvs.append(RecvTask(req_id, params.transfer_id, block_ids))
+        writable = sorted({b for g in block_ids for b in g if b != NULL_BLOCK})
+        self._pending.recvs.append(RecvTask(req_id, params.transfer_id, writable))
         self._client.send(params.remote_endpoint, reg)
 
     def build_meta(self, meta: LayerKVMetadata) -> None:

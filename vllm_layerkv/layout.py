@@ -15,7 +15,7 @@ is simply ``r`` kernel blocks' worth of bytes.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -42,6 +42,48 @@ def layer_index(name: str) -> int:
     return int(found[-1])
 
 
+def _raw_pages(name: str, first: torch.Tensor, num_blocks: int, page: int) -> torch.Tensor:
+    """A ``[num_blocks, page]`` uint8 view over the memory ``first`` starts at."""
+    start = first.storage_offset() * first.element_size()
+    if start + num_blocks * page > first.untyped_storage().nbytes():
+        raise LayoutError(f"layer {name!r}: {num_blocks} pages of {page} B overrun its storage")
+    view = torch.empty(0, dtype=torch.uint8, device=first.device)
+    view.set_(first.untyped_storage(), start, (num_blocks, page), (page, 1))
+    return view
+
+
+def _page_view(name: str, cache: object, num_blocks: int) -> torch.Tensor:
+    """One layer's KV cache as a tensor whose first dimension is the block and whose blocks
+    are whole pages.
+
+    Mamba-style state fills only part of its page (vLLM pads it to the attention page size so
+    that all groups share one block pool), so vLLM's view of it skips the padding: 0.32+ hands
+    over ``[blocks, 1, 1, state_bytes]`` with a page-sized block stride; 0.26 hands over
+    ``[conv_state, ssm_state]``, two strided views into the same page (conv state first).
+    LayerKV moves whole pages, padding included, so it rebuilds a page view over the same
+    memory. Attention caches (contiguous in HND) are returned as they are."""
+    if not isinstance(cache, (list, tuple)):
+        t = cache
+        assert isinstance(t, torch.Tensor)
+        es = t.element_size()
+        if (not t.is_contiguous() and t.dim() >= 2 and t.shape[0] == num_blocks
+                and t[0].is_contiguous() and t.stride(0) * es >= t[0].numel() * es):
+            return _raw_pages(name, t, num_blocks, t.stride(0) * es)
+        return t  # a non-contiguous cache of another shape is refused by the caller
+    first = cache[0]
+    if not isinstance(first, torch.Tensor) or first.shape[0] != num_blocks:
+        raise LayoutError(f"layer {name!r}: unexpected multi-tensor KV cache "
+                          f"{[tuple(t.shape) for t in cache]}")
+    page = first.stride(0) * first.element_size()
+    ptr0 = first.data_ptr()
+    for t in cache[1:]:
+        off = t.data_ptr() - ptr0
+        if t.shape[0] != num_blocks or t.stride(0) * t.element_size() != page or not 0 <= off < page:
+            raise LayoutError(f"layer {name!r}: Mamba state tensors do not share one page per "
+                              "block")
+    return _raw_pages(name, first, num_blocks, page)
+
+
 @dataclass
 class KVLayout:
     """The registered KV caches of one worker, in forward order, addressable by logical block."""
@@ -50,31 +92,36 @@ class KVLayout:
     tensors: list[torch.Tensor]
     num_blocks: int
     block_bytes: int
-    """Bytes of one logical block of one layer."""
+    """Bytes of one logical block of one layer (the same for every KV cache group)."""
     device: torch.device
+    layer_groups: list[int] = field(default_factory=list)
+    """KV cache group of each layer (index into ``kv_cache_config.kv_cache_groups``)."""
 
     @classmethod
-    def from_kv_caches(cls, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> KVLayout:
+    def from_kv_caches(cls, kv_caches: dict[str, torch.Tensor], num_blocks: int,
+                       group_of: dict[str, int] | None = None) -> KVLayout:
+        """``group_of``: KV cache group of each layer name (all in group 0 if None)."""
         if not kv_caches:
             raise LayoutError("vLLM registered no KV cache tensors")
-        by_ptr: dict[int, str] = {}
-        entries: list[tuple[int, str, torch.Tensor]] = []
-        for name, tensor in kv_caches.items():
-            if isinstance(tensor, (list, tuple)):
-                raise LayoutError(
-                    f"layer {name!r} has a multi-tensor (Mamba) KV cache; hybrid models are not "
-                    "supported by this LayerKV version"
-                )
-            ptr = tensor.data_ptr()
-            if ptr in by_ptr:  # KV-sharing layers alias their target's cache: send it once
+        group_of = group_of or {}
+        seen: set[tuple[int, int]] = set()
+        entries: list[tuple[int, str, torch.Tensor, int]] = []
+        for name, cache in kv_caches.items():
+            tensor = _page_view(name, cache, num_blocks)
+            group = group_of.get(name, 0)
+            # KV-sharing layers alias their target's cache: send it once. Only within a group:
+            # in a hybrid model, layers of different groups share raw memory on purpose (each
+            # group owns different block ids of it).
+            key = (tensor.data_ptr(), group)
+            if key in seen:
                 continue
-            by_ptr[ptr] = name
-            entries.append((layer_index(name), name, tensor))
+            seen.add(key)
+            entries.append((layer_index(name), name, tensor, group))
         entries.sort(key=lambda e: e[0])
         tensors = [e[2] for e in entries]
         first = tensors[0]
         block_bytes = None
-        for (_, name, t) in entries:
+        for (_, name, t, _) in entries:
             if not t.is_contiguous():
                 raise LayoutError(
                     f"KV cache of {name!r} is not contiguous (shape {tuple(t.shape)}, stride "
@@ -91,8 +138,8 @@ class KVLayout:
                 block_bytes = nbytes
             elif nbytes != block_bytes:
                 raise LayoutError(
-                    f"attention layers have different block sizes ({nbytes} vs {block_bytes} "
-                    "bytes); models with mixed attention geometry are not supported yet"
+                    f"KV cache layers have different block sizes ({nbytes} vs {block_bytes} "
+                    "bytes); models with mixed page sizes are not supported yet"
                 )
         assert block_bytes is not None
         return cls(
@@ -101,6 +148,7 @@ class KVLayout:
             num_blocks=num_blocks,
             block_bytes=block_bytes,
             device=first.device,
+            layer_groups=[e[3] for e in entries],
         )
 
     @property
@@ -124,17 +172,25 @@ class KVLayout:
 
 
 def attention_spec(kv_cache_config: "object"):
-    """The KV spec of the attention groups; refuses group kinds this version cannot move."""
-    from vllm_layerkv.compat import kv_cache_group_kinds
+    """The KV spec standing for the model's geometry in ``CompatInfo`` (the first attention
+    group's, else the first group's); refuses group kinds this version cannot move."""
+    from vllm_layerkv.compat import _group_spec, kv_groups
+    from vllm_layerkv.kvgroups import unsupported_kinds
 
-    kinds = kv_cache_group_kinds(kv_cache_config)
-    unsupported = sorted({k for k in kinds if k != "full"})
+    groups = kv_groups(kv_cache_config)
+    unsupported = unsupported_kinds(groups)
     if unsupported:
         raise LayoutError(
-            f"KV cache groups of kind {unsupported} (hybrid / sliding-window / MLA models) are "
-            "not supported by this LayerKV version; serve a model with full attention only"
+            f"KV cache groups of kind {unsupported} (e.g. MLA, chunked-local or sink "
+            "attention) are not supported by this LayerKV version; supported: full attention, "
+            "sliding window, Mamba-style state"
         )
-    return kv_cache_config.kv_cache_groups[0].kv_cache_spec  # type: ignore[attr-defined]
+    pages = {g.page_bytes for g in groups}
+    if len(pages) > 1:
+        raise LayoutError(f"KV cache groups have different page sizes {sorted(pages)}; "
+                          "LayerKV needs vLLM's unified page size")
+    index = next((i for i, g in enumerate(groups) if g.kind in ("full", "sliding")), 0)
+    return _group_spec(kv_cache_config.kv_cache_groups[index])  # type: ignore[attr-defined]
 
 
 def compat_info(vllm_config: "object", kv_cache_config: "object") -> "CompatInfo":
@@ -144,18 +200,22 @@ def compat_info(vllm_config: "object", kv_cache_config: "object") -> "CompatInfo
     from vllm_layerkv.compat import VLLM_VERSION
     from vllm_layerkv.protocol import CompatInfo
 
+    from vllm_layerkv.compat import kv_groups
+
     spec = attention_spec(kv_cache_config)
     model = str(vllm_config.model_config.model).rstrip("/")  # type: ignore[attr-defined]
     num_layers = sum(len(g.layer_names)
                      for g in kv_cache_config.kv_cache_groups)  # type: ignore[attr-defined]
+    dtype = getattr(spec, "dtype", None) or getattr(spec, "dtypes", ("?",))
     return CompatInfo(
         vllm_version=VLLM_VERSION,
         model=os.path.basename(model),
-        dtype=str(spec.dtype).removeprefix("torch."),
+        dtype=str(dtype).removeprefix("torch."),
         kv_layout="HND",
         block_size=spec.block_size,
-        num_kv_heads=spec.num_kv_heads,
-        head_size=spec.head_size,
+        num_kv_heads=getattr(spec, "num_kv_heads", 0),
+        head_size=getattr(spec, "head_size", 0),
         num_layers=num_layers,
         block_bytes=spec.page_size_bytes,
+        kv_groups=[g.signature() for g in kv_groups(kv_cache_config)],
     )

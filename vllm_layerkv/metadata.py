@@ -20,13 +20,15 @@ class Peer:
 
 @dataclass
 class SendTask:
-    """P: push KV of ``src_blocks`` (P's ids) into ``dst_blocks`` (D's ids), all layers."""
+    """P: push KV of ``src_blocks`` (P's ids) into ``dst_blocks`` (D's ids), per KV cache
+    group: layers of group g send ``src_blocks[g]`` into ``dst_blocks[g]`` (an empty list: that
+    group sends nothing in this task; see kvgroups.py for which blocks each kind sends)."""
 
     req_id: str
     transfer_id: str
     peer: Peer
-    src_blocks: list[int]
-    dst_blocks: list[int]
+    src_blocks: list[list[int]]
+    dst_blocks: list[list[int]]
     final: bool
     """No more sends follow for this transfer: close it with TransferDone."""
     new_tokens: int
@@ -37,7 +39,8 @@ class SendTask:
 
 @dataclass
 class RecvTask:
-    """D: KV for ``req_id`` will arrive under ``transfer_id`` into ``block_ids``."""
+    """D: KV for ``req_id`` will arrive under ``transfer_id`` into ``block_ids`` (D's blocks of
+    every KV cache group, without the null block: the only blocks P may write)."""
 
     req_id: str
     transfer_id: str

@@ -18,7 +18,6 @@ connection per rank pair makes the later copy win. The same rule covers every la
 from __future__ import annotations
 
 import logging
-import math
 import queue
 import time
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from typing import Any
 
 from vllm_layerkv import tp
 from vllm_layerkv.config import LayerKVConfig
+from vllm_layerkv.kvgroups import BlockTableError, KVGroupInfo, select_blocks
 from vllm_layerkv.metadata import LayerKVMetadata, Peer, SendTask
 from vllm_layerkv.protocol import (
     Cancel,
@@ -50,7 +50,8 @@ class _Prefill:
     req_id: str
     transfer_id: str
     num_prompt_tokens: int
-    block_ids: list[int]
+    block_ids: list[list[int]]
+    """P's block ids per KV cache group, in token order."""
     reg: Register | None = None
     peer: Peer | None = None
     sent_tokens: int = 0
@@ -62,12 +63,16 @@ class _Prefill:
 
 
 class PrefillScheduler:
-    def __init__(self, config: LayerKVConfig, compat: CompatInfo, tp_size: int, block_size: int,
-                 engine_id: str):
+    def __init__(self, config: LayerKVConfig, compat: CompatInfo, tp_size: int,
+                 groups: list[KVGroupInfo], engine_id: str):
         self._config = config
         self._compat = compat
         self._tp_size = tp_size
-        self._block_size = block_size
+        self._groups = groups
+        # The watermark moves in whole attention blocks (all attention groups of a hybrid share
+        # one block size; a model without attention only sends at the end).
+        self._block_size = next((g.block_size for g in groups if g.kind in ("full", "sliding")),
+                                groups[0].block_size)
         self._engine_id = engine_id
         self._incoming: queue.SimpleQueue[Register | Cancel] = queue.SimpleQueue()
         self._by_req: dict[str, _Prefill] = {}
@@ -132,7 +137,8 @@ class PrefillScheduler:
         if params.transfer_id in self._by_tid:
             return (f"transfer_id {params.transfer_id!r} is already in use by another request; "
                     "mint a fresh transfer_id per request")
-        p = _Prefill(req_id, params.transfer_id, num_prompt_tokens, block_ids=[])
+        p = _Prefill(req_id, params.transfer_id, num_prompt_tokens,
+                     block_ids=[[] for _ in self._groups])
         self._by_req[req_id] = p
         self._by_tid[params.transfer_id] = p
         early = self._early_regs.pop(params.transfer_id, None)
@@ -153,15 +159,16 @@ class PrefillScheduler:
             p = self._by_req.get(req_id)
             if p is None or p.finished:
                 continue
-            if is_new and p.block_ids:
+            if is_new and any(p.block_ids):
                 resumed = True  # Model Runner V2 lists resumed requests as new ones
             if resumed:  # preempted and back: blocks were freed, possibly mid-send
-                p.block_ids = []
+                p.block_ids = [[] for _ in self._groups]
                 if p.reg is not None:
                     p.sent_tokens = p.reg.start_token
                     p.final_sent = False
             if new_blocks is not None:
-                p.block_ids.extend(new_blocks[0])
+                for table, new in zip(p.block_ids, new_blocks):
+                    table.extend(new)
             n = scheduler_output.num_scheduled_tokens.get(req_id, 0)
             p.computed_tokens = min(computed + n, p.num_prompt_tokens)
             if p.reg is not None and not p.final_sent and n > 0:
@@ -169,7 +176,7 @@ class PrefillScheduler:
                 if task is not None:
                     meta.sends.append(task)
 
-    def request_finished(self, req_id: str, transfer_id: str, block_ids: list[int],
+    def request_finished(self, req_id: str, transfer_id: str, block_ids: list[list[int]],
                          complete: bool) -> tuple[bool, dict[str, Any] | None]:
         self._first_seen.pop(req_id, None)
         p = self._by_req.get(req_id)
@@ -194,7 +201,7 @@ class PrefillScheduler:
             self._pending.aborts.append((p.transfer_id, reason, p.peer))
             self._release(p)
             return True, params
-        p.block_ids = list(block_ids)
+        p.block_ids = [list(b) for b in block_ids]
         p.computed_tokens = p.num_prompt_tokens
         if p.reg is None:
             p.hold_deadline = time.monotonic() + self._config.registration_timeout_s
@@ -219,20 +226,28 @@ class PrefillScheduler:
     # ------------------------------------------------------------ internals
     def _task(self, p: _Prefill, upto: int) -> SendTask | None:
         assert p.reg is not None and p.peer is not None
-        bs = self._block_size
-        first = p.sent_tokens // bs
-        last = math.ceil(upto / bs)
-        if last > len(p.block_ids) or last > len(p.reg.block_ids):
-            logger.error("transfer %s: needs blocks [%d, %d) but P has %d and D has %d; aborting",
-                         p.transfer_id, first, last, len(p.block_ids), len(p.reg.block_ids))
-            self._pending.aborts.append((p.transfer_id, "block tables do not cover the prompt",
-                                         p.peer))
+        final = upto >= p.num_prompt_tokens
+        src: list[list[int]] = []
+        dst: list[list[int]] = []
+        try:
+            if len(p.reg.block_ids) != len(self._groups):
+                raise BlockTableError(f"decode sent {len(p.reg.block_ids)} block tables for "
+                                      f"{len(self._groups)} KV cache groups")
+            for group, mine, theirs in zip(self._groups, p.block_ids, p.reg.block_ids):
+                s, d = select_blocks(group, mine, theirs, sent_tokens=p.sent_tokens, upto=upto,
+                                     start_token=p.reg.start_token,
+                                     num_tokens=p.num_prompt_tokens, final=final)
+                src.append(s)
+                dst.append(d)
+        except BlockTableError as e:
+            logger.error("transfer %s: %s; aborting", p.transfer_id, e)
+            self._pending.aborts.append((p.transfer_id, f"block tables do not cover the "
+                                         f"prompt: {e}", p.peer))
             p.final_sent = True
             return None
-        final = upto >= p.num_prompt_tokens
         task = SendTask(
             req_id=p.req_id, transfer_id=p.transfer_id, peer=p.peer,
-            src_blocks=p.block_ids[first:last], dst_blocks=p.reg.block_ids[first:last],
+            src_blocks=src, dst_blocks=dst,
             final=final, new_tokens=upto - p.sent_tokens,
             streamed=self._config.layerwise and p.num_prompt_tokens >= self._config.min_prompt_tokens,
         )

@@ -51,6 +51,9 @@ class CompatInfo(msgspec.Struct, frozen=True, kw_only=True):
     head_size: int
     num_layers: int
     block_bytes: int
+    kv_groups: list[str] = []
+    """Each KV cache group's kind, layer count, block size (and window): hybrid models must be
+    split into the same groups on both sides for block ids to mean the same."""
 
     def hash(self) -> str:
         return hashlib.sha256(msgspec.msgpack.encode(self)).hexdigest()[:16]
@@ -90,8 +93,9 @@ class Register(msgspec.Struct, tag=True, kw_only=True):
     tp_size: int
     data_endpoints: list[str]
     """host:port of each D TP rank's data listener, indexed by rank."""
-    block_ids: list[int]
-    """D's block ids for the request's tokens, in token order (first attention KV group)."""
+    block_ids: list[list[int]]
+    """D's block ids, one list per KV cache group (vLLM's group order), each in token order;
+    the null block (0) marks slots D does not hold (freed sliding-window blocks)."""
     start_token: int
     """D already holds tokens [0, start_token) (local prefix-cache hit); send from here."""
     num_tokens: int

@@ -10,7 +10,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from vllm_layerkv.compat import kv_groups, truncate_prompt
 from vllm_layerkv.config import LayerKVConfig
+from vllm_layerkv.kvgroups import prefill_backoff
 from vllm_layerkv.decode_scheduler import DecodeScheduler
 from vllm_layerkv.layout import compat_info
 from vllm_layerkv.metadata import LayerKVHandshake, LayerKVMetadata
@@ -34,10 +36,16 @@ class LayerKVScheduler:
         compat = compat_info(vllm_config, kv_cache_config)
         engine_id = str(vllm_config.kv_transfer_config.engine_id)
         tp_size = vllm_config.parallel_config.tensor_parallel_size
-        block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
-        self._prefill = (PrefillScheduler(config, compat, tp_size, block_size, engine_id)
+        groups = kv_groups(kv_cache_config)
+        self._backoff = prefill_backoff(groups)
+        if self._backoff:
+            logger.info("LayerKV: hybrid model with state groups %s: prefill computes the "
+                        "prompt minus its last %d token(s), decode recomputes them",
+                        [g.signature() for g in groups], self._backoff)
+        self._prefill = (PrefillScheduler(config, compat, tp_size, groups, engine_id)
                          if is_producer else None)
-        self._decode = DecodeScheduler(config, compat, tp_size, engine_id) if is_consumer else None
+        self._decode = (DecodeScheduler(config, compat, tp_size, engine_id, self._backoff)
+                        if is_consumer else None)
         self._role_name = ("kv_both" if is_producer and is_consumer
                            else "kv_producer" if is_producer else "kv_consumer")
         self._parsed: dict[str, Parsed] = {}
@@ -62,6 +70,12 @@ class LayerKVScheduler:
             parsed = None
         self._parsed[req_id] = parsed
         return parsed
+
+    def on_new_request(self, request: Any) -> None:
+        """Mamba backoff, P side: before vLLM schedules anything, shorten a prefill request's
+        prompt so that the state P sends is h(N-1) (kvgroups.prefill_backoff)."""
+        if self._backoff and isinstance(self._params(request), PrefillParams):
+            truncate_prompt(request, self._backoff)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
@@ -106,7 +120,7 @@ class LayerKVScheduler:
         if isinstance(params, PrefillParams) and self._prefill is not None:
             complete = request.num_computed_tokens >= request.num_prompt_tokens
             return self._prefill.request_finished(req_id, params.transfer_id,
-                                                  list(block_ids[0]), complete)
+                                                  [list(b) for b in block_ids], complete)
         if isinstance(params, DecodeParams) and self._decode is not None:
             self._decode.request_finished(req_id)
         return False, None

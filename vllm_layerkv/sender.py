@@ -92,7 +92,13 @@ class SenderState:
 class Sender:
     def __init__(self, transport: Transport, blocks: BlockIO, hello: Hello,
                  tp_rank: int, connect_timeout: float, io_timeout: float, stats: WorkerStats,
-                 tracer: Tracer):
+                 tracer: Tracer, layer_groups: list[int] | None = None,
+                 final_only_groups: dict[int, str] | None = None):
+        """``layer_groups``: KV cache group of each layer index (all 0 if None);
+        ``final_only_groups``: group -> kind for the groups that send once, at the end
+        (sliding window, Mamba state), traced as ``final_group_sent``."""
+        self._layer_groups = layer_groups or [0] * blocks.num_layers
+        self._final_only_groups = dict(final_only_groups or {})
         self._transport = transport
         self._blocks = blocks
         self._hello = hello
@@ -148,20 +154,30 @@ class Sender:
         t0 = time.monotonic()
         self._tracer.event("group_send_start", step=item.step, group=item.group,
                            layers=len(item.layers))
+        by_group = self._layers_by_group(item.layers)
         for task in item.tasks:
             out = self._claim(task.transfer_id)
             if out is None:
                 continue
             try:
                 channel = self._channel(out.endpoint)
-                t = time.monotonic()
-                n = channel.write_blocks(task.transfer_id, item.layers, task.src_blocks,
-                                         task.dst_blocks)
-                self._stats.record_group(n, time.monotonic() - t)
-                out.frames += 1
-                out.nbytes += n
-                if not out.t_first:
-                    out.t_first = t
+                # one frame per KV cache group: each group has its own block table
+                for group, layers in by_group:
+                    src, dst = task.src_blocks[group], task.dst_blocks[group]
+                    if not src:
+                        continue
+                    t = time.monotonic()
+                    n = channel.write_blocks(task.transfer_id, layers, src, dst)
+                    self._stats.record_group(n, time.monotonic() - t)
+                    out.frames += 1
+                    out.nbytes += n
+                    if not out.t_first:
+                        out.t_first = t
+                    if group in self._final_only_groups and self._tracer.enabled:
+                        self._tracer.event("final_group_sent", transfer_id=task.transfer_id,
+                                           step=item.step, kv_group=group,
+                                           kind=self._final_only_groups[group],
+                                           layers=list(layers), blocks=len(src))
             except TransportError as e:
                 self._set_state(out, "failed", str(e))
                 self._tell_decode_failed(out, str(e))
@@ -169,6 +185,13 @@ class Sender:
                 out.in_use = False
         self._tracer.event("group_send_end", step=item.step, group=item.group,
                            seconds=time.monotonic() - t0)
+
+    def _layers_by_group(self, layers: list[int]) -> list[tuple[int, list[int]]]:
+        """``layers`` split by KV cache group, in order of first appearance."""
+        out: dict[int, list[int]] = {}
+        for layer in layers:
+            out.setdefault(self._layer_groups[layer], []).append(layer)
+        return list(out.items())
 
     def _finish(self, item: FinishTransfer) -> None:
         out = self._claim(item.task.transfer_id)

@@ -135,5 +135,6 @@ def check_supported(p_tp: int, d_tp: int) -> None:
     if p_tp != d_tp:
         raise TPMismatchError(
             f"prefill tensor_parallel_size={p_tp} != decode tensor_parallel_size={d_tp}: this "
-            "LayerKV version moves whole blocks between equal TP ranks only; serve P and D with "
-            "the same tensor_parallel_size")
+            "LayerKV version moves whole blocks between equal TP ranks only (it slices neither "
+            "KV heads nor Mamba state across ranks yet); serve P and D with the same "
+            "tensor_parallel_size")

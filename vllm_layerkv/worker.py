@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from vllm_layerkv.blockio import block_io_for
-from vllm_layerkv.compat import tp_rank_and_size
+from vllm_layerkv.compat import kv_groups, tp_rank_and_size
 from vllm_layerkv.config import LayerKVConfig
 from vllm_layerkv.decode_worker import DecodeWorker
 from vllm_layerkv.layout import KVLayout, LayoutError, compat_info
@@ -53,7 +53,9 @@ class LayerKVWorker:
         self._meta: LayerKVMetadata | None = None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        layout = KVLayout.from_kv_caches(kv_caches, self._kv_cache_config.num_blocks)
+        groups = kv_groups(self._kv_cache_config)
+        group_of = {name: i for i, g in enumerate(groups) for name in g.layer_names}
+        layout = KVLayout.from_kv_caches(kv_caches, self._kv_cache_config.num_blocks, group_of)
         if layout.block_bytes != self._compat.block_bytes:
             raise LayoutError(
                 f"registered KV blocks are {layout.block_bytes} bytes per layer but the KV spec "
@@ -69,7 +71,9 @@ class LayerKVWorker:
                           tp_rank=self._tp_rank, tp_size=self._tp_size)
             self._sender = Sender(self._transport, blocks, hello, self._tp_rank,
                                   self._config.connect_timeout_s, self._config.io_timeout_s,
-                                  self._stats, self._tracer)
+                                  self._stats, self._tracer, layout.layer_groups,
+                                  {i: g.kind for i, g in enumerate(groups)
+                                   if g.kind in ("sliding", "mamba")})
             self._prefill = PrefillWorker(self._config, layout, self._sender, self._tracer,
                                           self._stats)
         if self._is_consumer:

@@ -96,8 +96,8 @@ def run_p(spec: dict, endpoint: str) -> None:
     sender = Sender(transport, blocks, hello, tp_rank=0, connect_timeout=10.0,
                     io_timeout=30.0, stats=stats, tracer=Tracer("", "p", 0))
     peer = Peer(engine_id="d", tp_size=1, data_endpoints=[endpoint])
-    tasks = [SendTask(req_id=f"req-{i}", transfer_id=f"tid-{i}", peer=peer, src_blocks=t["src"],
-                      dst_blocks=t["dst"], final=True, new_tokens=16 * len(t["src"]))
+    tasks = [SendTask(req_id=f"req-{i}", transfer_id=f"tid-{i}", peer=peer, src_blocks=[t["src"]],
+                      dst_blocks=[t["dst"]], final=True, new_tokens=16 * len(t["src"]))
              for i, t in enumerate(spec["transfers"])]
     layers = list(range(spec["layers"]))
     groups = [layers[i:i + spec["group"]] for i in range(0, len(layers), spec["group"])]

@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -151,10 +152,69 @@ def test_attention_spec_page_size_matches_layout_block_bytes() -> None:
     assert spec.page_size_bytes == layout.block_bytes
 
 
-def test_attention_spec_refuses_sliding_window_groups() -> None:
+def test_attention_spec_accepts_sliding_window_and_refuses_chunked_local() -> None:
     full = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=HEADS, head_size=HEAD,
                              dtype=torch.float32)
     swa = SlidingWindowSpec(block_size=BLOCK_SIZE, num_kv_heads=HEADS, head_size=HEAD,
                             dtype=torch.float32, sliding_window=64)
-    with pytest.raises(LayoutError, match="sliding"):
-        attention_spec(_kv_config(full, swa))
+    assert attention_spec(_kv_config(swa, full)) == swa  # the first attention group stands
+    chunked = ChunkedLocalAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=HEADS,
+                                        head_size=HEAD, dtype=torch.float32,
+                                        attention_chunk_size=64)
+    with pytest.raises(LayoutError, match="ChunkedLocalAttentionSpec"):
+        attention_spec(_kv_config(full, chunked))
+
+
+def test_attention_spec_refuses_groups_with_different_page_sizes() -> None:
+    a = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=HEADS, head_size=HEAD,
+                          dtype=torch.float32)
+    b = SlidingWindowSpec(block_size=2 * BLOCK_SIZE, num_kv_heads=HEADS, head_size=HEAD,
+                          dtype=torch.float32, sliding_window=64)
+    with pytest.raises(LayoutError, match="page sizes"):
+        attention_spec(_kv_config(a, b))
+
+
+def test_mamba_state_views_become_one_page_view_over_the_same_memory() -> None:
+    """vLLM 0.26 registers a Mamba layer as [conv_state, ssm_state]: strided views into one
+    raw page per block. The layout must address the whole page, at the same bytes."""
+    page = 1024  # bytes per block, as the attention layers' pages
+    raw = (torch.arange(NUM_BLOCKS * page) % 251).to(torch.uint8)
+    conv = torch.as_strided(raw.view(torch.float32), (NUM_BLOCKS, 3, 8), (page // 4, 8, 1))
+    ssm = torch.as_strided(raw.view(torch.float32)[24:], (NUM_BLOCKS, 4, 16),
+                           (page // 4, 16, 1))
+    attn = torch.zeros(NUM_BLOCKS, page // 4, dtype=torch.float32)
+    layout = KVLayout.from_kv_caches({"model.layers.0.mixer": [conv, ssm], _name(1): attn},
+                                     NUM_BLOCKS, {"model.layers.0.mixer": 1, _name(1): 0})
+    assert layout.block_bytes == page and layout.layer_groups == [1, 0]
+    view = layout.host_block_views()[0]
+    assert view.shape == (NUM_BLOCKS, page)
+    assert bytes(view[5]) == bytes(raw[5 * page:6 * page].numpy())
+    view[5, :4] = 7  # writes land in the state tensors vLLM reads
+    assert raw[5 * page:5 * page + 4].tolist() == [7, 7, 7, 7]
+    assert conv[5, 0, 0].item() == torch.tensor([7, 7, 7, 7], dtype=torch.uint8).view(
+        torch.float32).item()
+
+
+def test_layers_of_different_groups_sharing_memory_are_all_kept() -> None:
+    """Hybrid models overlay groups on shared raw tensors (each group owns different block
+    ids of it): only same-group aliasing is KV sharing."""
+    shared = _cache()
+    layout = KVLayout.from_kv_caches(
+        {_name(0): shared, _name(1): shared, _name(2): shared},
+        NUM_BLOCKS, {_name(0): 0, _name(1): 1, _name(2): 1})
+    assert layout.layer_names == [_name(0), _name(1)] and layout.layer_groups == [0, 1]
+
+
+def test_padded_mamba_view_is_moved_as_whole_pages() -> None:
+    """vLLM 0.32 registers a Mamba layer as [blocks, 1, 1, state_bytes] over pages padded to
+    the attention page size (block stride = page): the layout addresses the whole page."""
+    page, state = 1024, 300
+    raw = torch.zeros(NUM_BLOCKS * page, dtype=torch.int8)
+    mamba = torch.as_strided(raw, (NUM_BLOCKS, 1, 1, state), (page, state, state, 1))
+    attn = torch.zeros(NUM_BLOCKS, page // 4, dtype=torch.float32)
+    layout = KVLayout.from_kv_caches({"model.layers.0.mixer": mamba, _name(1): attn},
+                                     NUM_BLOCKS, {"model.layers.0.mixer": 0, _name(1): 1})
+    assert layout.block_bytes == page
+    view = layout.host_block_views()[0]
+    view[3, :state] = 5
+    assert bool((mamba[3] == 5).all()) and int(raw[3 * page + state]) == 0 == int(mamba[4].sum())

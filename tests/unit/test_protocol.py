@@ -41,11 +41,12 @@ from vllm_layerkv.protocol import (
 from vllm_layerkv.transport import framing
 
 COMPAT = CompatInfo(vllm_version="0.32.0", model="tiny-llama", dtype="float32", kv_layout="HND",
-                    block_size=16, num_kv_heads=2, head_size=64, num_layers=8, block_bytes=16384)
+                    block_size=16, num_kv_heads=2, head_size=64, num_layers=8, block_bytes=16384,
+                    kv_groups=["full:8x16"])
 
 MESSAGES = [
     Register(transfer_id="t-1", engine_id="d-engine", compat=COMPAT, tp_size=2,
-             data_endpoints=["10.0.0.1:9000", "[::1]:9001"], block_ids=[7, 3, 11, 12],
+             data_endpoints=["10.0.0.1:9000", "[::1]:9001"], block_ids=[[7, 3, 11, 12], [0, 5]],
              start_token=16, num_tokens=60),
     Cancel(transfer_id="t-2", reason="decode request aborted"),
     RegisterAck(transfer_id="t-1", tp_size=2),
@@ -134,7 +135,7 @@ def test_compat_hash_is_stable_and_equal_for_equal_info() -> None:
     code = ("from vllm_layerkv.protocol import CompatInfo;"
             "print(CompatInfo(vllm_version='0.32.0', model='tiny-llama', dtype='float32', "
             "kv_layout='HND', block_size=16, num_kv_heads=2, head_size=64, num_layers=8, "
-            "block_bytes=16384).hash())")
+            "block_bytes=16384, kv_groups=['full:8x16']).hash())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, env={"PYTHONHASHSEED": "12345"})
     assert out.stdout.strip() == h
@@ -142,7 +143,8 @@ def test_compat_hash_is_stable_and_equal_for_equal_info() -> None:
 
 def _changed(info: CompatInfo, name: str) -> CompatInfo:
     value = getattr(info, name)
-    new = value + 1 if isinstance(value, int) else value + "-other"
+    new = (value + 1 if isinstance(value, int) else value + ["mamba:3x16"]
+           if isinstance(value, list) else value + "-other")
     return msgspec.structs.replace(info, **{name: new})
 
 

@@ -187,8 +187,8 @@ def test_streamed_prefill_to_decode(engines) -> None:
     tasks = [r.meta.sends[0] for r in steps]
     for task, (lo, hi) in zip(tasks, [(0, 4), (3, 7), (7, 10)]):
         assert task.req_id == rp.request_id and task.transfer_id == "t1"
-        assert task.src_blocks == p_blocks[lo:hi]
-        assert task.dst_blocks == d_blocks[lo:hi]
+        assert task.src_blocks[0] == p_blocks[lo:hi]
+        assert task.dst_blocks[0] == d_blocks[lo:hi]
         assert task.streamed is True
         assert task.peer.data_endpoints == [d.worker.get_handshake_metadata().data_endpoint]
     assert [t.final for t in tasks] == [False, False, True]
@@ -250,7 +250,7 @@ def test_short_prompt_goes_whole_at_the_end_of_the_step(engines) -> None:
     p.run_until(lambda: rp.request_id in p.finished, others=(d,))
     (task,) = sends_of(p)
     assert task.streamed is False and task.final is True and task.new_tokens == 40
-    assert task.src_blocks == p.block_ids(rp.request_id) and task.dst_blocks == d_blocks
+    assert task.src_blocks[0] == p.block_ids(rp.request_id) and task.dst_blocks[0] == d_blocks
     d.run_until(lambda: reported(d, "finished_recving", rd.request_id) == 1, others=(p,))
     assert_kv_arrived(d, rd, d_blocks)
     run_both_until_idle(p, d)
@@ -279,7 +279,7 @@ def test_registration_after_prefill_finished_is_flushed(engines) -> None:
     assert len(flushes) == 1
     (flush,) = flushes
     assert flush.final and not flush.streamed
-    assert flush.dst_blocks == d_blocks and len(flush.src_blocks) == 7
+    assert flush.dst_blocks[0] == d_blocks and len(flush.src_blocks[0]) == 7
     d.run_until(lambda: reported(d, "finished_recving", rd.request_id) == 1, others=(p,))
     assert_kv_arrived(d, rd, d_blocks)
     run_both_until_idle(p, d)
@@ -299,7 +299,7 @@ def test_decode_timeout_fails_the_request_and_cancels(engines, fake_prefill, pol
     assert rd.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     reg = got.get(timeout=5)
     assert isinstance(reg, Register) and reg.transfer_id == "slow"
-    assert reg.block_ids == d.block_ids(rd.request_id) and reg.num_tokens == 40
+    assert reg.block_ids[0] == d.block_ids(rd.request_id) and reg.num_tokens == 40
     assert reg.start_token == 0 and reg.tp_size == 1
 
     time.sleep(0.35)
@@ -493,11 +493,11 @@ def test_decode_prefix_cache_hit_receives_only_the_tail(engines) -> None:
         run_both_until_idle(p, d)
     first, second = [[t for t in sends_of(p) if t.transfer_id == tid]
                      for tid in ("first", "second")]
-    assert [len(t.src_blocks) for t in first] == [4, 4, 3]
+    assert [len(t.src_blocks[0]) for t in first] == [4, 4, 3]
     # D had 9 full blocks (144 tokens) cached: P sends only block 9, never D's cached blocks
     (tail,) = second
     assert tail.new_tokens == 6 and tail.final
-    assert len(tail.src_blocks) == 1 and tail.dst_blocks == d_blocks[9:10]
+    assert len(tail.src_blocks[0]) == 1 and tail.dst_blocks[0] == d_blocks[9:10]
 
 
 def test_duplicate_transfer_id_is_served_locally(engines) -> None:
@@ -565,9 +565,9 @@ def test_prefill_preempted_mid_stream_resends_from_its_new_blocks(engines, runne
     p.run_until(lambda: rp.request_id in p.finished, others=(d,), timeout=30)
     assert rp.num_preemptions == 1  # the scenario really happened
     final = sends_of(p)[-1]
-    lo = 10 - len(final.src_blocks)
-    assert final.final and final.src_blocks == p.block_ids(rp.request_id)[lo:]
-    assert final.dst_blocks == d_blocks[lo:]
+    lo = 10 - len(final.src_blocks[0])
+    assert final.final and final.src_blocks[0] == p.block_ids(rp.request_id)[lo:]
+    assert final.dst_blocks[0] == d_blocks[lo:]
     d.run_until(lambda: reported(d, "finished_recving", rd.request_id) == 1, others=(p,))
     assert_kv_arrived(d, rd, d_blocks)
     run_both_until_idle(p, d)
@@ -592,3 +592,99 @@ def test_prefill_aborted_while_deferred_fails_decode_at_once(engines) -> None:
     assert d.finished[rd.request_id].finish_reason == FinishReason.ERROR
     run_both_until_idle(p, d)
     assert sends_of(p) == []
+
+
+# ----------------------------------------------------------------------------- hybrid models
+
+
+def _rows(engine: Engine, layer: int, blocks: list[int], tokens: range) -> torch.Tensor:
+    t = engine.kv[LAYER_NAMES[layer]]
+    return torch.stack([t[blocks[i // BLOCK_SIZE], :, i % BLOCK_SIZE, :] for i in tokens])
+
+
+def test_mamba_hybrid_sends_state_once_after_the_last_chunk(engines) -> None:
+    """Even layers Mamba (one state slot per request), odd layers full attention. P computes
+    the prompt minus its last token; the state slot goes once, with the last chunk, and holds
+    h(N-1) on D; D computes token N-1 itself."""
+    p = engines("kv_producer", P_EXTRA, max_num_batched_tokens=CHUNK, hybrid="mamba")
+    d = engines("kv_consumer", hybrid="mamba")
+    endpoint = p.endpoint
+    shift_block_ids(d)
+    prompt = 150
+
+    rd = create_request(prompt, decode_params("h1", endpoint), max_tokens=3, seed=9)
+    d.scheduler.add_request(rd)
+    rec = d.step()
+    assert rd.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert rd.num_computed_tokens == prompt - 1  # D loads N-1 tokens
+    d_state, d_attn = d.block_ids(rd.request_id, 0), d.block_ids(rd.request_id, 1)
+    assert len(d_attn) == 10 and d_state[-1] != 0
+    assert sorted(rec.meta.recvs[0].block_ids) == sorted(set(d_state + d_attn) - {0})
+
+    rp = create_request(prompt, {"do_remote_decode": True, "transfer_id": "h1"}, seed=9)
+    p.scheduler.add_request(rp)
+    assert rp.num_prompt_tokens == prompt - 1 and rp.max_tokens == 1  # the backoff
+    p.run_until(lambda: rp.request_id in p.finished, others=(d,))
+    p_state = p.block_ids(rp.request_id, 0)[-1:]
+    steps = [r for r in p.history if rp.request_id in r.num_scheduled]
+    assert [r.num_scheduled[rp.request_id] for r in steps] == [56, 56, 37]
+    tasks = [r.meta.sends[0] for r in steps]
+    assert [t.src_blocks[0] for t in tasks] == [[], [], p_state]  # state: once, at the end
+    assert [t.dst_blocks[0] for t in tasks] == [[], [], d_state[-1:]]
+    assert [len(t.src_blocks[1]) for t in tasks] == [4, 4, 3]  # attention streams
+
+    d.run_until(lambda: reported(d, "finished_recving", rd.request_id) == 1, others=(p,))
+    assert reported(d, "failed_recving", rd.request_id) == 0
+    s = salt(rd)
+    for layer in range(NUM_LAYERS):
+        if layer % 2 == 0:  # state after tokens [0, N-1): what P computed last
+            state = d.kv[LAYER_NAMES[layer]][d_state[-1]]
+            assert (state == kv_value(prompt - 2, layer, s)).all(), f"layer {layer}"
+        else:
+            want = torch.tensor([kv_value(t, layer, s) for t in range(prompt - 1)])
+            rows = _rows(d, layer, d_attn, range(prompt - 1))
+            assert torch.equal(rows, want[:, None, None].expand_as(rows)), f"layer {layer}"
+    run_both_until_idle(p, d)
+    d_steps = [r.num_scheduled[rd.request_id] for r in d.history if rd.request_id in r.num_scheduled]
+    assert d_steps[0] == 1  # D computed the last prompt token itself
+    assert d.finished[rd.request_id].finish_reason == FinishReason.LENGTH
+    assert len(sends_of(p)) == 3
+
+
+def test_sliding_window_sends_only_the_tail_after_the_last_chunk(engines) -> None:
+    """Even layers sliding window (32 tokens), odd layers full attention. P frees blocks that
+    left the window while it prefills; the window's blocks go once, with the last chunk."""
+    p = engines("kv_producer", P_EXTRA, max_num_batched_tokens=CHUNK, hybrid="sliding")
+    d = engines("kv_consumer", hybrid="sliding")
+    endpoint = p.endpoint
+    shift_block_ids(d)
+    prompt = 150
+
+    rd = create_request(prompt, decode_params("w1", endpoint), max_tokens=3, seed=11)
+    d.scheduler.add_request(rd)
+    d.step()
+    d_swa, d_full = d.block_ids(rd.request_id, 0), d.block_ids(rd.request_id, 1)
+    rp = create_request(prompt, {"do_remote_decode": True, "transfer_id": "w1"}, seed=11)
+    p.scheduler.add_request(rp)
+    assert rp.num_prompt_tokens == prompt  # no backoff without state
+    p.run_until(lambda: rp.request_id in p.finished, others=(d,))
+    p_swa = p.block_ids(rp.request_id, 0)
+    assert p_swa[:5] == [0] * 5  # vLLM freed the blocks that left the window
+    steps = [r for r in p.history if rp.request_id in r.num_scheduled]
+    tasks = [r.meta.sends[0] for r in steps]
+    # tokens [150 - 32, 150) = blocks 7..9
+    assert [t.src_blocks[0] for t in tasks] == [[], [], p_swa[7:10]]
+    assert [t.dst_blocks[0] for t in tasks] == [[], [], d_swa[7:10]]
+    assert [len(t.src_blocks[1]) for t in tasks] == [4, 4, 3]
+
+    d.run_until(lambda: reported(d, "finished_recving", rd.request_id) == 1, others=(p,))
+    assert reported(d, "failed_recving", rd.request_id) == 0
+    s = salt(rd)
+    for layer in range(NUM_LAYERS):
+        blocks, tokens = (d_swa, range(prompt - 32, prompt)) if layer % 2 == 0 else \
+            (d_full, range(prompt))
+        want = torch.tensor([kv_value(t, layer, s) for t in tokens])
+        rows = _rows(d, layer, blocks, tokens)
+        assert torch.equal(rows, want[:, None, None].expand_as(rows)), f"layer {layer}"
+    run_both_until_idle(p, d)
+    assert d.finished[rd.request_id].finish_reason == FinishReason.LENGTH

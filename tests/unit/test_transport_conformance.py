@@ -247,7 +247,7 @@ def test_unreachable_decode_fails_the_transfer(p_side) -> None:
         port = s.getsockname()[1]  # bound, not listening: connection refused
         p = p_side()
         t = SendTask(req_id="r", transfer_id="t",
-                     peer=Peer("d", 1, [f"127.0.0.1:{port}"]), src_blocks=[0], dst_blocks=[0],
+                     peer=Peer("d", 1, [f"127.0.0.1:{port}"]), src_blocks=[[0]], dst_blocks=[[0]],
                      final=True, new_tokens=16)
         push(p, [t])
         out = p.wait_state("t", ["acked", "failed"])

