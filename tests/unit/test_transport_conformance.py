@@ -23,7 +23,7 @@ import time
 
 import pytest
 import torch
-from test_transport_tcp import (  # noqa: F401 - d_side / p_side are fixtures
+from kv_sides import (
     BLOCK_BYTES,
     NUM_BLOCKS,
     NUM_LAYERS,
@@ -32,8 +32,6 @@ from test_transport_tcp import (  # noqa: F401 - d_side / p_side are fixtures
     UNKNOWN_WAIT_S,
     assert_copied,
     assert_sentinel,
-    d_side,
-    p_side,
     push,
     task,
 )

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import msgspec
 import pytest
 import torch
-from test_transport_tcp import (
+from kv_sides import (
     BLOCK_BYTES,
     NUM_BLOCKS,
     NUM_LAYERS,

@@ -7,7 +7,7 @@ import logging
 import sys
 
 import pytest
-from test_transport_tcp import NUM_BLOCKS, make_caches
+from kv_sides import NUM_BLOCKS, make_caches
 
 from vllm_layerkv.blockio import HostBlockIO
 from vllm_layerkv.config import LayerKVConfig
