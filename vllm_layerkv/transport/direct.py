@@ -112,6 +112,43 @@ class PeerWriter(ABC):
         """Forget the peer (its channel closed)."""
 
 
+class AddressedPeer(PeerWriter):
+    """A peer reached by address (NIXL, Mooncake): D's export names each layer's base address,
+    so block ``b`` of layer ``l`` is at ``layer_addrs[l] + b * block_bytes`` on either side. The
+    subclass moves the runs; this class checks the request and pairs the blocks into runs."""
+
+    def __init__(self, plane: str, layer_addrs: Sequence[int], num_blocks: int,
+                 block_bytes: int, local: Sequence[torch.Tensor]):
+        check_geometry(plane, len(layer_addrs), block_bytes, local)
+        self.remote_addrs = list(layer_addrs)
+        self.remote_blocks = num_blocks
+        self.local_addrs = [t.data_ptr() for t in local]
+        self.local_blocks = local[0].shape[0]
+        self.block_bytes = block_bytes
+
+    def write(self, layers: Sequence[int], src_blocks: Sequence[int],
+              dst_blocks: Sequence[int]) -> int:
+        check_blocks(src_blocks, self.local_blocks)
+        check_blocks(dst_blocks, self.remote_blocks)
+        if not layers or not src_blocks:
+            return 0
+        self.write_runs(layers, paired_runs(src_blocks, dst_blocks), src_blocks, dst_blocks)
+        return len(layers) * len(src_blocks) * self.block_bytes
+
+    @abstractmethod
+    def write_runs(self, layers: Sequence[int], runs: list[tuple[int, int, int]],
+                   src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> None:
+        """Move ``runs`` (src_start, dst_start, length) of every layer in ``layers`` and return
+        once they are in the peer's memory (raise DirectWriteFailed otherwise)."""
+
+
+def layer_geometry(local: Sequence[torch.Tensor]) -> dict[str, object]:
+    """The export fields every addressed plane offers: block count, block size, and each
+    layer's base address."""
+    return {"num_blocks": local[0].shape[0], "block_bytes": local[0].shape[1],
+            "layer_addrs": [t.data_ptr() for t in local]}
+
+
 class DirectPlane(ABC):
     """One worker's direct-write mechanism, both halves."""
 

@@ -21,14 +21,12 @@ import torch
 
 from vllm_layerkv.protocol import DirectExport, Hello, MooncakeExport
 from vllm_layerkv.transport.direct import (
+    AddressedPeer,
     DirectPlane,
     DirectUnavailable,
     DirectWriteFailed,
-    PeerWriter,
-    check_blocks,
-    check_geometry,
+    layer_geometry,
     memory_regions,
-    paired_runs,
 )
 
 logger = logging.getLogger("vllm.layerkv.transport.mooncake")
@@ -54,31 +52,24 @@ def transfer_engine() -> Any:
     return engine
 
 
-class MooncakePeer(PeerWriter):
+class MooncakePeer(AddressedPeer):
     def __init__(self, engine: Any, export: MooncakeExport, local: Sequence[torch.Tensor]):
-        check_geometry("mooncake", len(export.layer_addrs), export.block_bytes, local)
+        super().__init__("mooncake", export.layer_addrs, export.num_blocks, export.block_bytes,
+                         local)
         self._engine = engine
-        self._export = export
-        self._local_addrs = [t.data_ptr() for t in local]
-        self._local_blocks = local[0].shape[0]
+        self._session = export.session
         self.description = f"Mooncake {export.protocol}, segment {export.session}"
 
-    def write(self, layers: Sequence[int], src_blocks: Sequence[int],
-              dst_blocks: Sequence[int]) -> int:
-        check_blocks(src_blocks, self._local_blocks)
-        check_blocks(dst_blocks, self._export.num_blocks)
-        if not layers or not src_blocks:
-            return 0
-        ex, bb = self._export, self._export.block_bytes
-        runs = paired_runs(src_blocks, dst_blocks)
-        srcs = [self._local_addrs[layer] + s * bb for layer in layers for s, _, _ in runs]
-        dsts = [ex.layer_addrs[layer] + d * bb for layer in layers for _, d, _ in runs]
+    def write_runs(self, layers: Sequence[int], runs: list[tuple[int, int, int]],
+                   src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> None:
+        bb = self.block_bytes
+        srcs = [self.local_addrs[layer] + s * bb for layer in layers for s, _, _ in runs]
+        dsts = [self.remote_addrs[layer] + d * bb for layer in layers for _, d, _ in runs]
         lens = [n * bb for _ in layers for _, _, n in runs]
-        rc = self._engine.batch_transfer_sync_write(ex.session, srcs, dsts, lens)
+        rc = self._engine.batch_transfer_sync_write(self._session, srcs, dsts, lens)
         if rc != 0:
             raise DirectWriteFailed(f"mooncake: batch write of {len(lens)} runs to "
-                                    f"{ex.session} failed (rc={rc}; see the engine's log)")
-        return len(layers) * len(src_blocks) * bb
+                                    f"{self._session} failed (rc={rc}; see the engine's log)")
 
 
 class MooncakePlane(DirectPlane):
@@ -106,10 +97,8 @@ class MooncakePlane(DirectPlane):
         self._export: MooncakeExport | None = None
 
     def prepare(self) -> None:
-        first = self.local[0]
-        self._export = MooncakeExport(
-            session=self._session, protocol=self._protocol, num_blocks=first.shape[0],
-            block_bytes=first.shape[1], layer_addrs=[t.data_ptr() for t in self.local])
+        self._export = MooncakeExport(session=self._session, protocol=self._protocol,
+                                      **layer_geometry(self.local))
 
     def offer(self, hello: Hello) -> MooncakeExport | None:
         return self._export

@@ -32,14 +32,12 @@ import torch
 
 from vllm_layerkv.protocol import DirectExport, Hello, NixlExport
 from vllm_layerkv.transport.direct import (
+    AddressedPeer,
     DirectPlane,
     DirectUnavailable,
     DirectWriteFailed,
-    PeerWriter,
-    check_blocks,
-    check_geometry,
+    layer_geometry,
     memory_regions,
-    paired_runs,
 )
 
 logger = logging.getLogger("vllm.layerkv.transport.nixl")
@@ -97,18 +95,16 @@ def _mem(local: Sequence[torch.Tensor]) -> tuple[str, int]:
     return ("VRAM", dev.index or 0) if dev.type == "cuda" else ("DRAM", 0)
 
 
-class NixlPeer(PeerWriter):
+class NixlPeer(AddressedPeer):
     """P side: one decode rank's KV, reached through this worker's NIXL agent."""
 
     def __init__(self, agent: Any, export: NixlExport, local: Sequence[torch.Tensor],
                  io_timeout: float):
-        check_geometry("nixl", len(export.layer_addrs), export.block_bytes, local)
+        super().__init__("nixl", export.layer_addrs, export.num_blocks, export.block_bytes,
+                         local)
         self._agent = agent
         self._export = export
-        self._local_addrs = [t.data_ptr() for t in local]
-        self._local_blocks = local[0].shape[0]
         self._mem, self._dev = _mem(local)
-        self._bb = export.block_bytes
         self._io_timeout = io_timeout
         try:
             remote = agent.add_remote_agent(export.agent_metadata)
@@ -118,13 +114,8 @@ class NixlPeer(PeerWriter):
         self._prepped: tuple[Any, Any] | None = None
         self.description = (f"NIXL {self._mem}->{export.mem_type}, agent {self._remote}")
 
-    def write(self, layers: Sequence[int], src_blocks: Sequence[int],
-              dst_blocks: Sequence[int]) -> int:
-        check_blocks(src_blocks, self._local_blocks)
-        check_blocks(dst_blocks, self._export.num_blocks)
-        if not layers or not src_blocks:
-            return 0
-        runs = paired_runs(src_blocks, dst_blocks)
+    def write_runs(self, layers: Sequence[int], runs: list[tuple[int, int, int]],
+                   src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> None:
         try:
             if len(runs) <= MAX_COALESCED_RUNS:
                 handle = self._coalesced(layers, runs)
@@ -133,11 +124,10 @@ class NixlPeer(PeerWriter):
         except Exception as e:  # noqa: BLE001
             raise DirectWriteFailed(f"nixl: cannot create the WRITE: {e}") from None
         self._post_and_wait(handle)
-        return len(layers) * len(src_blocks) * self._bb
 
     def _coalesced(self, layers: Sequence[int], runs: list[tuple[int, int, int]]) -> Any:
-        ex, bb = self._export, self._bb
-        local = np.array([(self._local_addrs[layer] + s * bb, n * bb, self._dev)
+        ex, bb = self._export, self.block_bytes
+        local = np.array([(self.local_addrs[layer] + s * bb, n * bb, self._dev)
                           for layer in layers for s, _, n in runs], dtype=np.uint64)
         remote = np.array([(ex.layer_addrs[layer] + d * bb, n * bb, ex.device_id)
                            for layer in layers for _, d, n in runs], dtype=np.uint64)
@@ -152,14 +142,14 @@ class NixlPeer(PeerWriter):
         local_h, remote_h = self._prepped
         src = np.asarray(src_blocks, dtype=np.int64)
         dst = np.asarray(dst_blocks, dtype=np.int64)
-        li = np.concatenate([layer * self._local_blocks + src for layer in layers])
-        ri = np.concatenate([layer * self._export.num_blocks + dst for layer in layers])
+        li = np.concatenate([layer * self.local_blocks + src for layer in layers])
+        ri = np.concatenate([layer * self.remote_blocks + dst for layer in layers])
         return self._agent.make_prepped_xfer("WRITE", local_h, li.astype(np.int32), remote_h,
                                              ri.astype(np.int32))
 
     def _prepare_lists(self) -> tuple[Any, Any]:
         """Per-block descriptors of every layer, both sides, prepared once for this peer."""
-        ex, bb = self._export, self._bb
+        ex, bb = self._export, self.block_bytes
 
         def table(addrs: Sequence[int], num_blocks: int, dev: int) -> np.ndarray:
             out = np.empty((len(addrs) * num_blocks, 3), dtype=np.uint64)
@@ -173,7 +163,7 @@ class NixlPeer(PeerWriter):
 
         t0 = time.monotonic()
         local_h = self._agent.prep_xfer_dlist(
-            "NIXL_INIT_AGENT", table(self._local_addrs, self._local_blocks, self._dev),
+            "NIXL_INIT_AGENT", table(self.local_addrs, self.local_blocks, self._dev),
             self._mem)
         remote_h = self._agent.prep_xfer_dlist(
             self._remote, table(ex.layer_addrs, ex.num_blocks, ex.device_id), ex.mem_type)
@@ -234,11 +224,9 @@ class NixlPlane(DirectPlane):
         self._export: NixlExport | None = None
 
     def prepare(self) -> None:
-        first = self.local[0]
         self._export = NixlExport(
             agent_name=self._agent.name, agent_metadata=self._agent.get_agent_metadata(),
-            mem_type=self._mem, device_id=self._dev, num_blocks=first.shape[0],
-            block_bytes=first.shape[1], layer_addrs=[t.data_ptr() for t in self.local])
+            mem_type=self._mem, device_id=self._dev, **layer_geometry(self.local))
 
     def offer(self, hello: Hello) -> NixlExport | None:
         return self._export
