@@ -2,7 +2,8 @@
 # On a lent GPU machine, after the bundle is staged and installed (../shared/gpu/README.md):
 #   bash benchmarks/gpu_bench.sh [--ipc-test] CONFIG... -- [extra ttft_bench.py args]
 #   MODEL_CONFIG=benchmarks/gpu_models/nemotronh8b bash benchmarks/gpu_bench.sh CONFIG... -- \
-#       --no-prefix-caching    (hybrid: attention + Mamba2, dummy weights)
+#       --no-prefix-caching    (hybrid: attention + Mamba2, dummy weights; vLLM 0.26's NixlConnector
+#       needs VLLM_SSM_CONV_STATE_LAYOUT=DS exported for it, so export it for every configuration)
 # --ipc-test first runs tests/gpu/test_cuda_ipc.py (two processes, P on GPU 0, D on GPU 1: CUDA
 # IPC byte-exact + copy rates). Then benchmarks/ttft_bench.py on the Llama-3.1-8B-shaped dummy
 # model. Results accumulate in $BENCH (kept on the machine while it stays warm, so configurations
