@@ -193,6 +193,14 @@ def attention_spec(kv_cache_config: "object"):
     return _group_spec(kv_cache_config.kv_cache_groups[index])  # type: ignore[attr-defined]
 
 
+def _total_kv_heads(vllm_config: "object") -> int:
+    """The model's KV heads before the TP split (0 if vLLM cannot say)."""
+    try:
+        return int(vllm_config.model_config.get_total_num_kv_heads())  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001 - attention-free models, test doubles
+        return 0
+
+
 def compat_info(vllm_config: "object", kv_cache_config: "object") -> "CompatInfo":
     """What a peer must match, derived identically in the scheduler and in every worker."""
     import os
@@ -214,6 +222,7 @@ def compat_info(vllm_config: "object", kv_cache_config: "object") -> "CompatInfo
         kv_layout="HND",
         block_size=spec.block_size,
         num_kv_heads=getattr(spec, "num_kv_heads", 0),
+        total_kv_heads=_total_kv_heads(vllm_config),
         head_size=getattr(spec, "head_size", 0),
         num_layers=num_layers,
         block_bytes=spec.page_size_bytes,

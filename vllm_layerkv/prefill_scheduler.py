@@ -33,7 +33,6 @@ from vllm_layerkv.protocol import (
     Refused,
     Register,
     RegisterAck,
-    compatibility_error,
 )
 from vllm_layerkv.registrar import RegistrationServer
 from vllm_layerkv.request_params import PrefillParams
@@ -92,12 +91,8 @@ class PrefillScheduler:
 
     # ------------------------------------------------------------ registration server threads
     def _on_register(self, reg: Register) -> RegisterAck | Refused:
-        err = compatibility_error(self._compat, reg.compat, f"decode {reg.engine_id}")
-        if err is None:
-            try:
-                tp.check_supported(self._tp_size, reg.tp_size)
-            except tp.TPMismatchError as e:
-                err = str(e)
+        err = tp.peer_error(self._compat, self._tp_size, reg.compat, reg.tp_size,
+                            f"decode {reg.engine_id}")
         if err is None and reg.transfer_id in self._gone:
             err = "the prefill request for this transfer_id was aborted or gave up waiting"
         if err is None and len(reg.data_endpoints) != reg.tp_size:

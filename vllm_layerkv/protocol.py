@@ -29,7 +29,7 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 FRAME_HEADER = struct.Struct("!I")
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
@@ -51,6 +51,9 @@ class CompatInfo(msgspec.Struct, frozen=True, kw_only=True):
     head_size: int
     num_layers: int
     block_bytes: int
+    total_kv_heads: int = 0
+    """The model's KV heads over all TP ranks (``num_kv_heads`` and ``block_bytes`` are one
+    rank's): what lets P and D with different TP map heads (tp.py)."""
     kv_groups: list[str] = []
     """Each KV cache group's kind, layer count, block size (and window): hybrid models must be
     split into the same groups on both sides for block ids to mean the same."""
@@ -163,6 +166,10 @@ class KVExport(msgspec.Struct, tag="cuda_ipc", kw_only=True):
     num_blocks: int
     block_bytes: int
     layers: list[IpcTensor]
+    ring: IpcTensor | None = None
+    """D's receive ring for head slices (offered to a sender with another TP size)."""
+    ring_slots: int = 0
+    ring_slot_bytes: int = 0
 
 
 class NixlExport(msgspec.Struct, tag="nixl", kw_only=True):
@@ -202,13 +209,18 @@ class HelloAck(msgspec.Struct, tag=True, kw_only=True):
 
 class BlockData(msgspec.Struct, tag=True, kw_only=True):
     """Header of one bulk write; ``nbytes`` of payload follow. Payload order: for each layer in
-    ``layers``, for each block in ``dst_blocks``, the block's bytes for that layer."""
+    ``layers``, for each block in ``dst_blocks``, the block's bytes for that layer (with
+    ``num_heads``: only that head slice of the block, ``block_bytes`` per block)."""
 
     transfer_id: str
     layers: list[int]
     dst_blocks: list[int]
     block_bytes: int
     nbytes: int
+    first_head: int = 0
+    num_heads: int = 0
+    """0: whole blocks. Else P and D split the KV heads differently (tp.py): the payload holds
+    heads [first_head, first_head + num_heads) of D's blocks, counted in D's block."""
 
 
 class DirectWrite(msgspec.Struct, tag=True, kw_only=True):
@@ -219,6 +231,12 @@ class DirectWrite(msgspec.Struct, tag=True, kw_only=True):
     seq: int
     layers: list[int]
     dst_blocks: list[int]
+    first_head: int = 0
+    num_heads: int = 0
+    """Non-zero: a head slice (mismatched TP). P writes ``nbytes`` of gathered slices into
+    the receive-ring slot D grants, and D scatters them into ``dst_blocks`` on
+    ``DirectWritten``."""
+    nbytes: int = 0
 
 
 class WriteGrant(msgspec.Struct, tag=True, kw_only=True):
@@ -226,6 +244,9 @@ class WriteGrant(msgspec.Struct, tag=True, kw_only=True):
 
     seq: int
     ok: bool
+    slot: int = -1
+    """For a head-slice write: the receive-ring slot P may write into (D keeps it until it
+    has scattered P's ``DirectWritten`` bytes: the ring's back-pressure)."""
 
 
 class DirectWritten(msgspec.Struct, tag=True, kw_only=True):

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from vllm_layerkv import tp
 from vllm_layerkv.metadata import RecvTask
-from vllm_layerkv.protocol import CompatInfo, Hello, TransferAck, compatibility_error
+from vllm_layerkv.protocol import CompatInfo, Hello, TransferAck
 from vllm_layerkv.stats import WorkerStats
 from vllm_layerkv.trace import Tracer
 
@@ -134,15 +134,13 @@ class RecvTable:
         self._cond.notify_all()
 
     # ----------------------------------------------------------- receiver threads
+    @property
+    def tp_size(self) -> int:
+        return self._tp_size
+
     def check_hello(self, hello: Hello) -> str | None:
-        err = compatibility_error(self._compat, hello.compat, f"prefill {hello.engine_id}")
-        if err is not None:
-            return err
-        try:
-            tp.source_ranks(self.tp_rank, self._tp_size, hello.tp_size)
-        except tp.TPMismatchError as e:
-            return str(e)
-        return None
+        return tp.peer_error(self._compat, self._tp_size, hello.compat, hello.tp_size,
+                             f"prefill {hello.engine_id}")
 
     def begin_write(self, transfer_id: str, dst_blocks: Sequence[int],
                     source: tuple[str, int]) -> bool:
@@ -175,15 +173,17 @@ class RecvTable:
                 return TransferAck(transfer_id=transfer_id, ok=False,
                                    reason="decode no longer waits for this transfer")
             if inc.expected_ranks is None:
-                inc.expected_ranks = set(tp.source_ranks(self.tp_rank, self._tp_size, src_tp))
+                inc.expected_ranks = set(tp.source_ranks(self.tp_rank, self._tp_size, src_tp,
+                                                         self._compat.total_kv_heads))
             inc.done_ranks.add(src_rank)
             if inc.done_ranks >= inc.expected_ranks:
                 self._close_locked(inc, "ok", "")
                 if inc.req_id in self._failed:  # closed as failed by another path meanwhile
                     return TransferAck(transfer_id=transfer_id, ok=False,
                                        reason="closed while completing")
-                return TransferAck(transfer_id=transfer_id, ok=True)
-            return None
+            # this source's KV is all here (its writes precede its TransferDone on the
+            # connection): it may free its blocks, whether or not other ranks are done
+            return TransferAck(transfer_id=transfer_id, ok=True)
 
     def on_abort(self, transfer_id: str, reason: str) -> None:
         with self._cond:

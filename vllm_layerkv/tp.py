@@ -13,13 +13,19 @@ layout is mapped per D rank: the P ranks holding its heads each send their overl
 that several P ranks hold (replicated) is sent by one of them only, chosen per D rank so that
 different D ranks read from different replicas.
 
-The data path moves whole blocks only, so mismatched TP is still refused at registration
-(``check_supported``); the routes below are what the staging-buffer path will send.
+``peer_error`` is the check both sides run (registration, data handshake): with equal TP the
+whole ``CompatInfo`` must match; with different TP the per-rank fields (heads, block bytes) are
+compared per head, both layouts must be ones vLLM produces, and models with Mamba-style state
+are refused (their state is not split by KV head, so it cannot be sliced this way).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import msgspec
+
+from vllm_layerkv.protocol import CompatInfo, compatibility_error
 
 
 class TPMismatchError(ValueError):
@@ -113,28 +119,40 @@ def _pick(holders: list[int], d_rank: int) -> int:
     return holders[d_rank % len(holders)]
 
 
-def source_ranks(d_rank: int, d_tp: int, p_tp: int, num_kv_heads: int = 0,
+def source_ranks(d_rank: int, d_tp: int, p_tp: int, num_kv_heads: int,
                  replicated: bool = False) -> list[int]:
-    """Prefill ranks that D rank ``d_rank`` receives from (each sends one TransferDone).
-    ``num_kv_heads`` 0: equal TP only (the whole-block data path)."""
-    if not num_kv_heads:
-        check_supported(p_tp, d_tp)
+    """Prefill ranks that D rank ``d_rank`` receives from (each sends one TransferDone)."""
+    if p_tp == d_tp:
         return [d_rank]
     return [p for p in range(p_tp)
             if any(r.d_rank == d_rank for r in routes(p, p_tp, d_tp, num_kv_heads, replicated))]
 
 
-def target_ranks(p_rank: int, p_tp: int, d_tp: int) -> list[int]:
-    """Decode ranks that P rank ``p_rank`` sends whole blocks to (equal TP)."""
-    check_supported(p_tp, d_tp)
-    return [p_rank]
+def peer_error(local: CompatInfo, local_tp: int, remote: CompatInfo, remote_tp: int,
+               remote_name: str) -> str | None:
+    """None if this worker and the peer can exchange KV, else what to change."""
+    if local_tp == remote_tp:
+        return compatibility_error(local, remote, remote_name)
+    sizes = f"tensor_parallel_size {local_tp} here, {remote_tp} on {remote_name}"
+    if any(g.startswith("mamba") for g in local.kv_groups):
+        return (f"{sizes}: this model has Mamba-style state, which LayerKV sends whole and "
+                "cannot split across ranks; serve prefill and decode with the same "
+                "tensor_parallel_size")
+    if not local.total_kv_heads or local.total_kv_heads != remote.total_kv_heads:
+        return (f"{sizes}, and the peers report {local.total_kv_heads} / "
+                f"{remote.total_kv_heads} KV heads in total: upgrade both to this LayerKV "
+                "version or use equal tensor_parallel_size")
+    try:
+        for tp, side in ((local_tp, "this side"), (remote_tp, remote_name)):
+            check_layout(tp, local.total_kv_heads, False, side)
+    except TPMismatchError as e:
+        return f"{e}; choose TP sizes that divide (or are multiples of) the KV head count"
+    if local.num_kv_heads < 1 or remote.num_kv_heads < 1 or (
+            local.block_bytes % local.num_kv_heads or remote.block_bytes % remote.num_kv_heads):
+        return f"{sizes}: KV blocks that do not split by head cannot be sliced"
+    return compatibility_error(_per_head(local), _per_head(remote), remote_name)
 
 
-def check_supported(p_tp: int, d_tp: int) -> None:
-    """What the data path supports today: whole blocks between equal TP ranks."""
-    if p_tp != d_tp:
-        raise TPMismatchError(
-            f"prefill tensor_parallel_size={p_tp} != decode tensor_parallel_size={d_tp}: this "
-            "LayerKV version moves whole blocks between equal TP ranks only (it slices neither "
-            "KV heads nor Mamba state across ranks yet); serve P and D with the same "
-            "tensor_parallel_size")
+def _per_head(c: CompatInfo) -> CompatInfo:
+    """The TP-invariant part of ``c``: one head's share of a block instead of the rank's."""
+    return msgspec.structs.replace(c, num_kv_heads=0, block_bytes=c.block_bytes // c.num_kv_heads)

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import itertools
 
+import msgspec
 import pytest
 import torch
 
+
 from vllm_layerkv import tp
+from vllm_layerkv.protocol import CompatInfo
 
 HEAD_ELEMS = 6  # stand-in for block_size x content of one head inside a block
 
@@ -72,7 +75,35 @@ def test_impossible_layouts_fail_with_the_side_named(p_tp, d_tp, heads, side) ->
         tp.routes(0, p_tp, d_tp, heads)
 
 
-def test_the_whole_block_data_path_still_refuses_unequal_tp() -> None:
-    with pytest.raises(tp.TPMismatchError, match="same tensor_parallel_size"):
-        tp.check_supported(2, 1)
-    assert tp.source_ranks(1, 2, 2) == [1]
+def compat(tp_size: int, total_heads: int = 8, groups: tuple[str, ...] = ("full:4x16",),
+           head_bytes: int = 1024) -> CompatInfo:
+    """What a rank of a TP ``tp_size`` instance reports (per-rank heads and block bytes)."""
+    local = max(1, total_heads // tp_size)
+    return CompatInfo(vllm_version="0.32.0", model="m", dtype="float32", kv_layout="HND",
+                      block_size=16, num_kv_heads=local, head_size=64, num_layers=4,
+                      block_bytes=local * head_bytes, total_kv_heads=total_heads,
+                      kv_groups=list(groups))
+
+
+def test_equal_tp_compares_everything() -> None:
+    assert tp.peer_error(compat(2), 2, compat(2), 2, "decode d") is None
+    other = msgspec.structs.replace(compat(2), block_size=32)
+    assert "block_size" in tp.peer_error(compat(2), 2, other, 2, "decode d")
+
+
+@pytest.mark.parametrize("p_tp, d_tp, heads", [(2, 1, 8), (1, 2, 8), (4, 2, 2), (2, 4, 2)])
+def test_different_tp_compares_per_head(p_tp, d_tp, heads) -> None:
+    assert tp.peer_error(compat(p_tp, heads), p_tp, compat(d_tp, heads), d_tp, "d") is None
+    other_head = compat(d_tp, heads, head_bytes=2048)
+    assert "block_bytes" in tp.peer_error(compat(p_tp, heads), p_tp, other_head, d_tp, "d")
+
+
+def test_different_tp_refusals_say_why() -> None:
+    hybrid = ("mamba:5x64", "full:4x16")
+    err = tp.peer_error(compat(2, groups=hybrid), 2, compat(1, groups=hybrid), 1, "decode d")
+    assert "Mamba" in err and "same tensor_parallel_size" in err
+    err = tp.peer_error(compat(3, 8), 3, compat(1, 8), 1, "decode d")
+    assert "does not divide" in err
+    old = msgspec.structs.replace(compat(1), total_kv_heads=0)
+    assert "upgrade" in tp.peer_error(compat(2), 2, old, 1, "decode d")
+    assert tp.source_ranks(1, 2, 2, 8) == [1]
