@@ -10,6 +10,11 @@
   transfer is reported complete. It runs in transport threads, never on the forward path.
 
 Payload order is the protocol's: for each layer of the frame, the blocks in list order.
+
+Head slices (prefill and decode with different TP, ``tp.py``): ``read_slices`` gathers a run of
+heads of every (layer, block) into a staging buffer the caller owns (``staging.py``), and
+``write_slices`` receives a payload and scatters it into the blocks at a head offset. The
+gather and scatter run on the KV's device; on GPU the bytes cross a pinned host buffer.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import Any
 
 import torch
 
+from vllm_layerkv import staging
 from vllm_layerkv.layout import KVLayout
 
 
@@ -46,6 +52,25 @@ class BlockIO:
     tensors: list[torch.Tensor]
     """Per layer, the KV as a ``[num_blocks, block_bytes]`` uint8 view (for direct planes,
     which address KV memory themselves)."""
+    local_heads: int = 1
+    """KV heads this rank holds per block (head slicing needs it; 1 = treat blocks whole)."""
+
+    def slice_bytes(self, num_heads: int) -> int:
+        """Bytes of ``num_heads`` heads of one block."""
+        return staging.slice_bytes(self.block_bytes, self.local_heads, num_heads)
+
+    def read_slices(self, layers: Sequence[int], blocks: Sequence[int], first_head: int,
+                    num_heads: int, buf: torch.Tensor) -> memoryview:
+        """Gather heads ``[first_head, first_head + num_heads)`` of every (layer, block) into
+        ``buf`` (a staging buffer on the KV's device) and return the payload as host bytes,
+        valid until the next call from this thread."""
+        raise NotImplementedError
+
+    def write_slices(self, layers: Sequence[int], blocks: Sequence[int], first_head: int,
+                     num_heads: int) -> Iterator[memoryview]:
+        """One buffer to fill with the payload; once the iterator is exhausted the slices are
+        scattered into the blocks."""
+        raise NotImplementedError
 
     def read(self, layers: Sequence[int], blocks: Sequence[int]) -> Iterator[memoryview]:
         """Buffers whose concatenation is the payload for (layers, blocks). Each buffer is valid
@@ -59,11 +84,27 @@ class BlockIO:
 
 
 class HostBlockIO(BlockIO):
-    def __init__(self, layout: KVLayout):
+    def __init__(self, layout: KVLayout, local_heads: int = 1):
         self._views = layout.host_block_views()
         self.tensors = layout.block_tensors()
         self.block_bytes = layout.block_bytes
         self.num_layers = layout.num_layers
+        self.local_heads = local_heads
+        self._local = threading.local()  # each receiver thread has its own payload buffer
+
+    def read_slices(self, layers: Sequence[int], blocks: Sequence[int], first_head: int,
+                    num_heads: int, buf: torch.Tensor) -> memoryview:
+        out = staging.gather(self.tensors, layers, blocks, first_head, num_heads,
+                             self.local_heads, buf)
+        return memoryview(out.numpy()).cast("B")
+
+    def write_slices(self, layers: Sequence[int], blocks: Sequence[int], first_head: int,
+                     num_heads: int) -> Iterator[memoryview]:
+        n = len(layers) * len(blocks) * self.slice_bytes(num_heads)
+        payload = _thread_buffer(self._local, n, pin=False)[:n]
+        yield memoryview(payload.numpy()).cast("B")
+        staging.scatter(payload, self.tensors, layers, blocks, first_head, num_heads,
+                        self.local_heads)
 
     def _runs(self, layers: Sequence[int], blocks: Sequence[int]) -> Iterator[memoryview]:
         runs = list(block_runs(blocks))
@@ -79,7 +120,8 @@ class HostBlockIO(BlockIO):
 class StagedBlockIO(BlockIO):
     """GPU KV through a pinned host staging buffer (grown on demand, reused)."""
 
-    def __init__(self, layout: KVLayout):
+    def __init__(self, layout: KVLayout, local_heads: int = 1):
+        self.local_heads = local_heads
         self._layout = layout
         self.tensors = layout.block_tensors()
         self._blocks = self.tensors
@@ -122,10 +164,41 @@ class StagedBlockIO(BlockIO):
                 stream.synchronize()  # the pinned buffer is refilled by the next layer
 
 
-def block_io_for(layout: KVLayout) -> BlockIO:
+    def read_slices(self, layers: Sequence[int], blocks: Sequence[int], first_head: int,
+                    num_heads: int, buf: torch.Tensor) -> memoryview:
+        n = len(layers) * len(blocks) * self.slice_bytes(num_heads)
+        stream, host = self._state(n)
+        with torch.cuda.stream(stream):
+            out = staging.gather(self.tensors, layers, blocks, first_head, num_heads,
+                                 self.local_heads, buf)
+            host[:n].copy_(out, non_blocking=True)
+        stream.synchronize()
+        return memoryview(host[:n].numpy()).cast("B")
+
+    def write_slices(self, layers: Sequence[int], blocks: Sequence[int], first_head: int,
+                     num_heads: int) -> Iterator[memoryview]:
+        n = len(layers) * len(blocks) * self.slice_bytes(num_heads)
+        stream, host = self._state(n)
+        yield memoryview(host[:n].numpy()).cast("B")
+        with torch.cuda.stream(stream):
+            dev = host[:n].to(self._device, non_blocking=True)
+            staging.scatter(dev, self.tensors, layers, blocks, first_head, num_heads,
+                            self.local_heads)
+        stream.synchronize()
+
+
+def _thread_buffer(local: threading.local, nbytes: int, pin: bool) -> torch.Tensor:
+    """This thread's reusable host buffer, grown to ``nbytes``."""
+    buf = getattr(local, "buf", None)
+    if buf is None or buf.numel() < nbytes:
+        buf = local.buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    return buf
+
+
+def block_io_for(layout: KVLayout, local_heads: int = 1) -> BlockIO:
     if layout.device.type == "cpu":
-        return HostBlockIO(layout)
+        return HostBlockIO(layout, local_heads)
     if layout.device.type == "cuda":
-        return StagedBlockIO(layout)
+        return StagedBlockIO(layout, local_heads)
     raise RuntimeError(f"LayerKV's stream transports do not support KV on {layout.device}")
 

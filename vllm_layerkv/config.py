@@ -90,6 +90,24 @@ class LayerKVConfig:
     """A data connection that makes no progress for this long is closed and its transfers
     fail."""
 
+    # --- prefill TP != decode TP (tp.py, staging.py) --------------------------------------
+    tp_staging: bool = True
+    """When P and D use different tensor parallelism, gather the head slices bound for one
+    decode rank into a staging buffer and send them in one transfer per (layer group, rank).
+    False sends one transfer per (layer, block) slice instead (for comparison only: tens of
+    thousands of transfers per long prompt)."""
+    staging_buffer_mb: int = 64
+    """Size of one staging buffer (P) and of one receive-ring slot (D), in MiB. A layer
+    group's slices larger than this go in several transfers."""
+    staging_buffers: int = 2
+    """P: staging buffers per worker, allocated on first use and reused; a sender that finds
+    none free waits (up to io_timeout_s), never overwriting data not yet sent."""
+    recv_ring_slots: int = 4
+    """D: receive-ring slots per worker for direct planes (CUDA IPC) with mismatched TP,
+    allocated when the first such prefill rank connects. P writes into a slot D granted and
+    D scatters it into its KV blocks before reusing it; when all slots are busy D delays its
+    grant (back-pressure)."""
+
     # --- diagnostics ---------------------------------------------------------------------
     trace_path: str = ""
     """If set, workers append one JSON line per transfer event to this file + ".p.<rank>"
@@ -146,6 +164,11 @@ class LayerKVConfig:
                      "connect_timeout_s", "io_timeout_s"):
             need(getattr(self, name) > 0, f"{name} must be > 0 seconds")
         need(bool(self.host), "host must not be empty")
+        need(1 <= self.staging_buffer_mb <= 4096,
+             f"staging_buffer_mb={self.staging_buffer_mb} must be between 1 and 4096 (MiB)")
+        for name in ("staging_buffers", "recv_ring_slots"):
+            need(1 <= getattr(self, name) <= 64, f"{name}={getattr(self, name)} must be "
+                 "between 1 and 64")
 
     def replace(self, **changes: Any) -> LayerKVConfig:
         return dataclasses.replace(self, **changes)

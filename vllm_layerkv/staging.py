@@ -37,6 +37,24 @@ def slice_bytes(block_bytes: int, local_heads: int, num_heads: int) -> int:
     return block_bytes // local_heads * num_heads
 
 
+def pieces(num_layers: int, num_blocks: int, nbytes_per_block: int, limit: int
+           ) -> list[tuple[slice, slice]]:
+    """Split a (layers x blocks) payload into pieces of at most ``limit`` bytes, as (layer
+    range, block range) index slices: whole layers together while they fit, else one layer's
+    blocks in runs."""
+    if nbytes_per_block > limit:
+        raise StagingError(f"one block's slice ({nbytes_per_block} B) exceeds the staging "
+                           f"buffer ({limit} B); raise staging_buffer_mb")
+    layer_bytes = num_blocks * nbytes_per_block
+    if layer_bytes <= limit:
+        per = max(1, limit // layer_bytes)
+        return [(slice(lo, min(lo + per, num_layers)), slice(0, num_blocks))
+                for lo in range(0, num_layers, per)]
+    per_blocks = limit // nbytes_per_block
+    return [(slice(layer, layer + 1), slice(lo, min(lo + per_blocks, num_blocks)))
+            for layer in range(num_layers) for lo in range(0, num_blocks, per_blocks)]
+
+
 def _heads_view(t: torch.Tensor, local_heads: int) -> torch.Tensor:
     """``[num_blocks, block_bytes]`` uint8 -> ``[num_blocks, local_heads, head_bytes]``."""
     return t.view(t.shape[0], local_heads, t.shape[1] // local_heads)
@@ -112,3 +130,40 @@ class StagingPool:
     def free(self) -> int:
         with self._cond:
             return len(self._free)
+
+
+class RecvRing:
+    """D side: ``slots`` receive slots of ``slot_bytes`` in one tensor on the KV's device, for
+    direct planes that write head slices (one export, addressed by slot). D grants a free slot
+    per write and frees it only after scattering the slot into its blocks, so P never writes
+    over bytes not yet scattered; with every slot busy, the grant waits (back-pressure)."""
+
+    def __init__(self, slots: int, slot_bytes: int, device: torch.device | str):
+        if slots < 1 or slot_bytes < 1:
+            raise StagingError("a receive ring needs at least one slot of at least one byte")
+        self.slots = slots
+        self.slot_bytes = slot_bytes
+        self.tensor = torch.empty(slots, slot_bytes, dtype=torch.uint8, device=device)
+        self._free = list(range(slots))
+        self._cond = threading.Condition()
+        self.waits = 0
+
+    def acquire(self, nbytes: int, timeout: float) -> int:
+        if nbytes > self.slot_bytes:
+            raise StagingError(f"{nbytes} B exceed the receive-ring slot of {self.slot_bytes} B;"
+                               " give prefill a staging_buffer_mb no larger than decode's")
+        with self._cond:
+            if not self._free:
+                self.waits += 1
+                if not self._cond.wait_for(lambda: bool(self._free), timeout):
+                    raise StagingError(f"no receive-ring slot was freed within {timeout:.1f} s")
+            return self._free.pop()
+
+    def view(self, slot: int, nbytes: int) -> torch.Tensor:
+        return self.tensor[slot, :nbytes]
+
+    def release(self, slot: int) -> None:
+        with self._cond:
+            if slot not in self._free:
+                self._free.append(slot)
+            self._cond.notify()
