@@ -9,6 +9,12 @@ order on its connection, which the "re-send the partially filled block next chun
 Per-transfer state (``Outgoing``) is shared with the worker thread, which reports a finished
 request to vLLM only once its transfer is *terminal* (acknowledged by D, failed, or aborted) and
 this thread is not touching its blocks.
+
+Where it sends is ``tp.routes``: with equal TP, whole blocks to the decode rank of the same
+index; with different TP, each decode rank that needs some of this rank's KV heads gets its
+head slice, gathered per layer group into a staging buffer (``staging.py``) and sent in one
+transfer per (group, rank). A transfer with several decode ranks is acknowledged when every
+one of them acknowledged it, and fails (on all of them) when one fails.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_layerkv import tp
+from vllm_layerkv import staging, tp
 from vllm_layerkv.blockio import BlockIO
 from vllm_layerkv.metadata import Peer, SendTask
 from vllm_layerkv.protocol import Hello, TransferAck
@@ -65,15 +71,36 @@ WorkItem = GroupSend | FinishTransfer | AbortTransfer
 class Outgoing:
     transfer_id: str
     req_id: str
-    endpoint: str
+    routes: list[tuple[str, tp.Route]]
+    """(data endpoint, route) per decode rank this worker feeds; empty when it feeds none
+    (another rank holds the same KV heads), which makes the transfer terminal at once."""
     state: str = "open"  # open -> done_sent -> acked | failed | aborted
     reason: str = ""
-    frames: int = 0
-    nbytes: int = 0
+    frames_to: dict[str, int] = field(default_factory=dict)
+    """Transfer operations (frames, direct writes) per endpoint: D checks the count."""
+    nbytes_to: dict[str, int] = field(default_factory=dict)
+    acked: set[str] = field(default_factory=set)
     t_first: float = 0.0
     t_done_sent: float = 0.0
     in_use: bool = False
     """The sender thread is reading this transfer's source blocks right now."""
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [endpoint for endpoint, _ in self.routes]
+
+    @property
+    def frames(self) -> int:
+        return sum(self.frames_to.values())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.nbytes_to.values())
+
+    @property
+    def endpoint(self) -> str:
+        """For logs."""
+        return ",".join(self.endpoints) or "(no decode rank)"
 
     @property
     def terminal(self) -> bool:
@@ -93,10 +120,17 @@ class Sender:
     def __init__(self, transport: Transport, blocks: BlockIO, hello: Hello,
                  tp_rank: int, connect_timeout: float, io_timeout: float, stats: WorkerStats,
                  tracer: Tracer, layer_groups: list[int] | None = None,
-                 final_only_groups: dict[int, str] | None = None):
+                 final_only_groups: dict[int, str] | None = None, tp_staging: bool = True,
+                 staging_bytes: int = 64 << 20, staging_buffers: int = 2):
         """``layer_groups``: KV cache group of each layer index (all 0 if None);
         ``final_only_groups``: group -> kind for the groups that send once, at the end
-        (sliding window, Mamba state), traced as ``final_group_sent``."""
+        (sliding window, Mamba state), traced as ``final_group_sent``. ``tp_staging`` and the
+        staging sizes: how head slices go when the decode peer's TP differs (config.py)."""
+        self._tp_staging = tp_staging
+        self._staging_shape = (staging_buffers, staging_bytes)
+        self._staging: staging.StagingPool | None = None
+        """Made on the first head-slice send (equal TP never pays for it)."""
+        self._route_cache: dict[int, list[tp.Route]] = {}
         self._layer_groups = layer_groups or [0] * blocks.num_layers
         self._final_only_groups = dict(final_only_groups or {})
         self._transport = transport
@@ -121,9 +155,10 @@ class Sender:
         """Create the transfer's state before its first item is queued (worker thread)."""
         with self.state.lock:
             if task.transfer_id not in self.state.transfers:
-                endpoint = task.peer.data_endpoints[self._target_rank(task)]
+                routes = self._routes_to(task.peer)
                 self.state.transfers[task.transfer_id] = Outgoing(
-                    transfer_id=task.transfer_id, req_id=task.req_id, endpoint=endpoint)
+                    transfer_id=task.transfer_id, req_id=task.req_id, routes=routes,
+                    state="open" if routes else "acked")
 
     def shutdown(self) -> None:
         self._queue.put(None)
@@ -160,24 +195,24 @@ class Sender:
             if out is None:
                 continue
             try:
-                channel = self._channel(out.endpoint)
-                # one frame per KV cache group: each group has its own block table
-                for group, layers in by_group:
-                    src, dst = task.src_blocks[group], task.dst_blocks[group]
-                    if not src:
-                        continue
-                    t = time.monotonic()
-                    n = channel.write_blocks(task.transfer_id, layers, src, dst)
-                    self._stats.record_group(n, time.monotonic() - t)
-                    out.frames += 1
-                    out.nbytes += n
-                    if not out.t_first:
-                        out.t_first = t
-                    if group in self._final_only_groups and self._tracer.enabled:
-                        self._tracer.event("final_group_sent", transfer_id=task.transfer_id,
-                                           step=item.step, kv_group=group,
-                                           kind=self._final_only_groups[group],
-                                           layers=list(layers), blocks=len(src))
+                for endpoint, route in out.routes:
+                    channel = self._channel(endpoint)
+                    # one frame per KV cache group: each group has its own block table
+                    for group, layers in by_group:
+                        src, dst = task.src_blocks[group], task.dst_blocks[group]
+                        if not src:
+                            continue
+                        t = time.monotonic()
+                        if route.whole_block:
+                            self._count(out, endpoint, t, channel.write_blocks(
+                                task.transfer_id, layers, src, dst))
+                        else:
+                            self._send_slices(out, endpoint, channel, layers, src, dst, route)
+                        if group in self._final_only_groups and self._tracer.enabled:
+                            self._tracer.event("final_group_sent", transfer_id=task.transfer_id,
+                                               step=item.step, kv_group=group,
+                                               kind=self._final_only_groups[group],
+                                               layers=list(layers), blocks=len(src))
             except TransportError as e:
                 self._set_state(out, "failed", str(e))
                 self._tell_decode_failed(out, str(e))
@@ -185,6 +220,50 @@ class Sender:
                 out.in_use = False
         self._tracer.event("group_send_end", step=item.step, group=item.group,
                            seconds=time.monotonic() - t0)
+
+    def _count(self, out: Outgoing, endpoint: str, t_start: float, nbytes: int) -> None:
+        """One transfer operation (a frame, a direct write) to ``endpoint`` is done."""
+        self._stats.record_group(nbytes, time.monotonic() - t_start)
+        out.frames_to[endpoint] = out.frames_to.get(endpoint, 0) + 1
+        out.nbytes_to[endpoint] = out.nbytes_to.get(endpoint, 0) + nbytes
+        if not out.t_first:
+            out.t_first = t_start
+
+    def _send_slices(self, out: Outgoing, endpoint: str, channel: SendChannel,
+                     layers: list[int], src: list[int], dst: list[int],
+                     route: tp.Route) -> None:
+        """A route's head slice of ``layers`` x blocks: one transfer per staging buffer's worth
+        (or, with ``tp_staging`` off, one per (layer, block))."""
+        pool = self._staging_pool()
+        per_block = self._blocks.slice_bytes(route.num_heads)
+        if self._tp_staging:
+            parts = staging.pieces(len(layers), len(src), per_block, pool.buffer_bytes)
+        else:
+            parts = [(slice(i, i + 1), slice(j, j + 1))
+                     for i in range(len(layers)) for j in range(len(src))]
+        for layer_part, block_part in parts:
+            t = time.monotonic()
+            try:
+                buf = pool.acquire(len(layers[layer_part]) * len(src[block_part]) * per_block,
+                                   self._io_timeout)
+            except staging.StagingError as e:
+                raise TransportError(f"staging buffer: {e}") from None
+            try:
+                n = channel.write_slices(out.transfer_id, layers[layer_part], src[block_part],
+                                         dst[block_part], route.src_head, route.dst_head,
+                                         route.num_heads, buf)
+            finally:
+                pool.release(buf)
+            self._count(out, endpoint, t, n)
+
+    def _staging_pool(self) -> staging.StagingPool:
+        if self._staging is None:
+            count, nbytes = self._staging_shape
+            device = self._blocks.tensors[0].device
+            self._staging = staging.StagingPool(count, nbytes, device)
+            logger.info("LayerKV: staging buffers for head slices, %d x %d MiB on %s", count,
+                        nbytes >> 20, device)
+        return self._staging
 
     def _layers_by_group(self, layers: list[int]) -> list[tuple[int, list[int]]]:
         """``layers`` split by KV cache group, in order of first appearance."""
@@ -198,8 +277,10 @@ class Sender:
         if out is None:
             return
         try:
-            self._channel(out.endpoint).send_done(out.transfer_id, self._tp_rank, out.frames,
-                                                  out.nbytes)
+            for endpoint in out.endpoints:
+                self._channel(endpoint).send_done(out.transfer_id, self._tp_rank,
+                                                  out.frames_to.get(endpoint, 0),
+                                                  out.nbytes_to.get(endpoint, 0))
             now = time.monotonic()
             exposed = max(0.0, now - item.t_compute_end) if item.t_compute_end else None
             self._stats.record_sent(exposed)
@@ -217,28 +298,31 @@ class Sender:
     def _abort(self, item: AbortTransfer) -> None:
         with self.state.lock:
             out = self.state.transfers.get(item.transfer_id)
-        endpoint = (out.endpoint if out is not None
-                    else item.peer.data_endpoints[self._target_rank_of(item.peer)])
+        endpoints = (out.endpoints if out is not None
+                     else [endpoint for endpoint, _ in self._routes_to(item.peer)])
         if out is None or out.state in ("open", "done_sent"):
             # D may be waiting for this transfer even if nothing was sent yet: tell it
-            try:
-                self._channel(endpoint).send_abort(item.transfer_id, item.reason)
-            except TransportError as e:
-                logger.warning("could not tell decode %s that transfer %s was aborted: %s",
-                               endpoint, item.transfer_id, e)
+            for endpoint in endpoints:
+                try:
+                    self._channel(endpoint).send_abort(item.transfer_id, item.reason)
+                except TransportError as e:
+                    logger.warning("could not tell decode %s that transfer %s was aborted: %s",
+                                   endpoint, item.transfer_id, e)
         if out is not None:
             self._set_state(out, "aborted", item.reason, force=True)
 
     def _tell_decode_failed(self, out: Outgoing, reason: str) -> None:
         """A write failed on this side (a device copy, an injected fault) while the connection
-        is still up: abort the transfer on D now, or D would wait for kv_wait_timeout_s."""
-        channel = self._channels.get(out.endpoint)
-        if channel is None or not channel.alive:
-            return  # connection lost: D fails the transfer itself
-        try:
-            channel.send_abort(out.transfer_id, f"prefill could not send its KV: {reason}")
-        except TransportError:
-            pass
+        is still up: abort the transfer on D now, or D would wait for kv_wait_timeout_s. With
+        several decode ranks, every one of them is told."""
+        for endpoint in out.endpoints:
+            channel = self._channels.get(endpoint)
+            if channel is None or not channel.alive:
+                continue  # connection lost: D fails the transfer itself
+            try:
+                channel.send_abort(out.transfer_id, f"prefill could not send its KV: {reason}")
+            except TransportError:
+                pass
 
     def _claim(self, transfer_id: str) -> Outgoing | None:
         """The transfer's state marked in use, or None if it is no longer sendable."""
@@ -257,7 +341,7 @@ class Sender:
             ch.close()
         ch = self._transport.open_channel(
             endpoint, self._hello, self._blocks,
-            on_ack=self._on_ack,
+            on_ack=lambda ack, ep=endpoint: self._on_ack(ep, ack),
             on_lost=lambda reason, ep=endpoint: self._on_lost(ep, reason),
             timeout=self._connect_timeout,
             io_timeout=self._io_timeout,
@@ -266,11 +350,15 @@ class Sender:
         return ch
 
     # ------------------------------------------------------------------ ack-reader threads
-    def _on_ack(self, ack: TransferAck) -> None:
+    def _on_ack(self, endpoint: str, ack: TransferAck) -> None:
         with self.state.lock:
             out = self.state.transfers.get(ack.transfer_id)
-        if out is None:
-            return
+            if out is None:
+                return
+            if ack.ok:
+                out.acked.add(endpoint)
+                if not out.acked.issuperset(out.endpoints):
+                    return  # another decode rank has yet to confirm
         if ack.ok:
             self._set_state(out, "acked", "")
         else:
@@ -279,7 +367,7 @@ class Sender:
     def _on_lost(self, endpoint: str, reason: str) -> None:
         with self.state.lock:
             affected = [o for o in self.state.transfers.values()
-                        if o.endpoint == endpoint and not o.terminal]
+                        if endpoint in o.endpoints and not o.terminal]
         for out in affected:
             self._set_state(out, "failed", reason)
 
@@ -294,8 +382,16 @@ class Sender:
             self._stats.record_failed()
         self.state.changed.set()
 
-    def _target_rank(self, task: SendTask) -> int:
-        return self._target_rank_of(task.peer)
-
-    def _target_rank_of(self, peer: Peer) -> int:
-        return tp.target_ranks(self._tp_rank, self._hello.tp_size, peer.tp_size)[0]
+    def _routes_to(self, peer: Peer) -> list[tuple[str, tp.Route]]:
+        """(endpoint, route) per decode rank of ``peer`` that this rank feeds."""
+        routes = self._route_cache.get(peer.tp_size)
+        if routes is None:
+            p_tp = self._hello.tp_size
+            if p_tp == peer.tp_size:
+                routes = [tp.Route(d_rank=self._tp_rank, src_head=0, dst_head=0,
+                                   num_heads=self._blocks.local_heads, whole_block=True)]
+            else:
+                routes = tp.routes(self._tp_rank, p_tp, peer.tp_size,
+                                   self._hello.compat.total_kv_heads)
+            self._route_cache[peer.tp_size] = routes
+        return [(peer.data_endpoints[r.d_rank], r) for r in routes]

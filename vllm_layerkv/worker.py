@@ -64,7 +64,7 @@ class LayerKVWorker:
         if layout.num_layers != self._compat.num_layers:
             logger.info("LayerKV: %d distinct KV tensors for %d attention layers (KV sharing)",
                         layout.num_layers, self._compat.num_layers)
-        blocks = block_io_for(layout)
+        blocks = block_io_for(layout, local_heads=max(1, self._compat.num_kv_heads))
         self._transport = create_transport(self._config.transport, blocks, self._config)
         if self._is_producer:
             hello = Hello(compat=self._compat, engine_id=self._engine_id,
@@ -73,7 +73,10 @@ class LayerKVWorker:
                                   self._config.connect_timeout_s, self._config.io_timeout_s,
                                   self._stats, self._tracer, layout.layer_groups,
                                   {i: g.kind for i, g in enumerate(groups)
-                                   if g.kind in ("sliding", "mamba")})
+                                   if g.kind in ("sliding", "mamba")},
+                                  tp_staging=self._config.tp_staging,
+                                  staging_bytes=self._config.staging_buffer_mb << 20,
+                                  staging_buffers=self._config.staging_buffers)
             self._prefill = PrefillWorker(self._config, layout, self._sender, self._tracer,
                                           self._stats)
         if self._is_consumer:

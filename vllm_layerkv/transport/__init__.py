@@ -39,14 +39,16 @@ def create_transport(name: str, blocks: BlockIO, config: LayerKVConfig | None = 
     if name not in TRANSPORTS:
         raise TransportError(f"unknown transport {name!r}; use one of {list(TRANSPORTS)}")
     config = config or LayerKVConfig()
+    ring = {"ring_slots": config.recv_ring_slots,
+            "ring_slot_bytes": config.staging_buffer_mb << 20}
     if name == "tcp":
-        return TcpTransport()
+        return TcpTransport(**ring)
     if name != "auto":
         try:
             plane = _make_plane(name, blocks, config)
         except DirectUnavailable as e:
             raise TransportError(f"transport={name}: {e}; or use transport=auto / tcp") from None
-        return TcpTransport([plane], required=name)
+        return TcpTransport([plane], required=name, **ring)
 
     planes: list[DirectPlane] = []
     notes: list[str] = []
@@ -64,7 +66,7 @@ def create_transport(name: str, blocks: BlockIO, config: LayerKVConfig | None = 
     chosen = " > ".join([p.name for p in planes] + ["tcp"])
     logger.info("LayerKV transport=auto: %s (%s)", chosen,
                 "; ".join(notes) if notes else "every plane available")
-    return TcpTransport(planes)
+    return TcpTransport(planes, **ring)
 
 
 def _make_plane(name: str, blocks: BlockIO, config: LayerKVConfig) -> DirectPlane:

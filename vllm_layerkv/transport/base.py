@@ -21,6 +21,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+import torch
+
 from vllm_layerkv.blockio import BlockIO
 from vllm_layerkv.protocol import Hello, TransferAck
 
@@ -42,6 +44,16 @@ class SendChannel(ABC):
     ) -> int:
         """Copy every listed layer's ``src_blocks`` into the peer's ``dst_blocks``; returns
         bytes moved. Blocks until the source memory may be reused."""
+
+    def write_slices(self, transfer_id: str, layers: Sequence[int], src_blocks: Sequence[int],
+                     dst_blocks: Sequence[int], src_head: int, dst_head: int, num_heads: int,
+                     staging: torch.Tensor) -> int:
+        """Prefill and decode with different TP (``tp.py``): gather heads ``[src_head,
+        src_head + num_heads)`` of every listed layer's ``src_blocks`` into ``staging`` (a
+        buffer of the caller's, on the KV's device), move them in one transfer, and have the
+        peer scatter them into heads ``[dst_head, ...)`` of its ``dst_blocks``. Returns bytes
+        moved; blocks until ``staging`` may be reused."""
+        raise TransportError(f"{type(self).__name__} cannot send head slices")
 
     @abstractmethod
     def send_done(self, transfer_id: str, tp_rank: int, frames: int, nbytes: int) -> None: ...

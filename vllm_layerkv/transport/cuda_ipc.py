@@ -24,9 +24,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+import msgspec
 import torch
 
 from vllm_layerkv.protocol import DirectExport, Hello, IpcTensor, KVExport
+from vllm_layerkv.staging import RecvRing, gather
 from vllm_layerkv.transport.direct import (
     DirectPlane,
     DirectUnavailable,
@@ -72,22 +74,25 @@ def copy_blocks(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor],
     return len(layers) * len(src_blocks) * src[layers[0]].shape[1]
 
 
+def share(view: torch.Tensor) -> IpcTensor:
+    """The IPC handle of ``view``'s storage and where ``view`` sits in it."""
+    storage = view.untyped_storage()
+    (_dev, handle, size, offset, rc_handle, rc_offset, ev_handle,
+     ev_sync) = storage._share_cuda_()
+    return IpcTensor(
+        handle=bytes(handle), storage_size=int(size), storage_offset=int(offset),
+        tensor_offset=view.storage_offset() * view.element_size(),
+        ref_counter_handle=bytes(rc_handle), ref_counter_offset=int(rc_offset),
+        event_handle=bytes(ev_handle) if ev_handle else b"",
+        event_sync_required=bool(ev_sync))
+
+
 def export_kv(blocks: Sequence[torch.Tensor]) -> KVExport:
     """D side, once at start: IPC handles of every layer's ``[num_blocks, block_bytes]`` view."""
     first = blocks[0]
-    layers = []
-    for view in blocks:
-        storage = view.untyped_storage()
-        (_dev, handle, size, offset, rc_handle, rc_offset, ev_handle,
-         ev_sync) = storage._share_cuda_()
-        layers.append(IpcTensor(
-            handle=bytes(handle), storage_size=int(size), storage_offset=int(offset),
-            tensor_offset=view.storage_offset() * view.element_size(),
-            ref_counter_handle=bytes(rc_handle), ref_counter_offset=int(rc_offset),
-            event_handle=bytes(ev_handle) if ev_handle else b"",
-            event_sync_required=bool(ev_sync)))
     return KVExport(host_id=host_id(), device_uuid=device_uuid(first.device),
-                    num_blocks=first.shape[0], block_bytes=first.shape[1], layers=layers)
+                    num_blocks=first.shape[0], block_bytes=first.shape[1],
+                    layers=[share(view) for view in blocks])
 
 
 class PeerKV(PeerWriter):
@@ -98,34 +103,61 @@ class PeerKV(PeerWriter):
             raise DirectUnavailable(f"decode runs on another host ({export.host_id})")
         if not local or local[0].device.type != "cuda":
             raise DirectUnavailable("this worker's KV is not on a CUDA device")
-        check_geometry("cuda_ipc", len(export.layers), export.block_bytes, local)
+        if export.ring is None or export.block_bytes == local[0].shape[1]:
+            check_geometry("cuda_ipc", len(export.layers), export.block_bytes, local)
+        # else: TP differs, and only head slices go, through the ring
         self._device = local[0].device
         torch.cuda.set_device(self._device)  # maps and copies run on P's device
         self._src = list(local)
         try:
-            self._dst = [self._open(t, export) for t in export.layers]
+            self._dst = [self._open(t, export.num_blocks, export.block_bytes)
+                         for t in export.layers]
+            self._ring = (self._open(export.ring, export.ring_slots, export.ring_slot_bytes)
+                          if export.ring is not None else None)
         except RuntimeError as e:  # not mappable here (no P2P, different container, ...)
             raise DirectUnavailable(f"cannot map decode's KV through CUDA IPC: {e}") from None
+        self.ring_slots = export.ring_slots if self._ring is not None else 0
         self._stream = torch.cuda.Stream(self._device)
         self.description = f"CUDA IPC, peer GPU {export.device_uuid}"
 
-    def _open(self, t: IpcTensor, export: KVExport) -> torch.Tensor:
-        nbytes = export.num_blocks * export.block_bytes
-        if t.tensor_offset + nbytes > t.storage_size:
-            raise DirectUnavailable("decode exported a KV view larger than its storage")
+    def _open(self, t: IpcTensor, rows: int, row_bytes: int) -> torch.Tensor:
+        """Map a ``[rows, row_bytes]`` uint8 view D shared."""
+        if t.tensor_offset + rows * row_bytes > t.storage_size:
+            raise DirectUnavailable("decode exported a view larger than its storage")
         storage = torch.UntypedStorage._new_shared_cuda(
             self._device.index, t.handle, t.storage_size, t.storage_offset,
             t.ref_counter_handle, t.ref_counter_offset, t.event_handle or None,
             t.event_sync_required)
         view = torch.empty(0, dtype=torch.uint8, device=self._device)
-        view.set_(storage, t.tensor_offset, (export.num_blocks, export.block_bytes),
-                  (export.block_bytes, 1))
+        view.set_(storage, t.tensor_offset, (rows, row_bytes), (row_bytes, 1))
         return view
+
+    def write_staged(self, local_heads: int, layers: Sequence[int], src_blocks: Sequence[int],
+                     src_head: int, num_heads: int, staging: torch.Tensor, slot: int) -> int:
+        """Gather the head slices on P's GPU, then one copy into D's ring slot."""
+        if self._ring is None or not 0 <= slot < self._ring.shape[0]:
+            raise DirectWriteFailed(f"decode granted receive-ring slot {slot}, which this "
+                                    "writer has not mapped")
+        try:
+            with torch.cuda.stream(self._stream):
+                payload = gather(self._src, layers, src_blocks, src_head, num_heads,
+                                 local_heads, staging)
+                n = payload.numel()
+                if n > self._ring.shape[1]:
+                    raise DirectWriteFailed(f"{n} B of head slices exceed decode's "
+                                            f"{self._ring.shape[1]} B ring slot")
+                self._ring[slot, :n].copy_(payload, non_blocking=True)
+            self._stream.synchronize()
+        except RuntimeError as e:
+            raise DirectWriteFailed(f"device copy failed: {e}") from None
+        return n
 
     def write(self, layers: Sequence[int], src_blocks: Sequence[int],
               dst_blocks: Sequence[int]) -> int:
         """Copy and wait until the bytes are in D's memory; returns bytes copied."""
         check_blocks(dst_blocks, self._dst[0].shape[0])
+        if self._dst[0].shape[1] != self._src[0].shape[1]:
+            raise DirectWriteFailed("whole blocks between ranks of different block sizes")
         try:
             with torch.cuda.stream(self._stream):
                 n = copy_blocks(self._src, self._dst, layers, src_blocks, dst_blocks)
@@ -143,6 +175,7 @@ class CudaIpcPlane(DirectPlane):
     def __init__(self, local: Sequence[torch.Tensor]):
         super().__init__(local)
         self._export: KVExport | None = None
+        self._ring_export: KVExport | None = None
 
     def prepare(self) -> None:
         """D side, at start (main thread, before any forward pass)."""
@@ -151,11 +184,18 @@ class CudaIpcPlane(DirectPlane):
         except RuntimeError as e:
             raise DirectUnavailable(f"cannot export this worker's KV cache: {e}") from None
 
-    def offer(self, hello: Hello) -> KVExport | None:
-        """D side: the export for a sender on this host, else None."""
-        if hello.host_id == host_id():
+    def offer(self, hello: Hello, ring: RecvRing | None = None) -> KVExport | None:
+        """D side: the export for a sender on this host, else None; with ``ring`` (the
+        sender's TP differs), the receive ring is shared too."""
+        if hello.host_id != host_id() or self._export is None:
+            return None
+        if ring is None:
             return self._export
-        return None
+        if self._ring_export is None:  # the ring exists once; share it once
+            self._ring_export = msgspec.structs.replace(
+                self._export, ring=share(ring.tensor), ring_slots=ring.slots,
+                ring_slot_bytes=ring.slot_bytes)
+        return self._ring_export
 
     def attach(self, export: DirectExport) -> PeerKV:
         """P side: map a decode worker's export (raises DirectUnavailable)."""

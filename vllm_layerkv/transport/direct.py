@@ -25,6 +25,7 @@ from functools import lru_cache
 import torch
 
 from vllm_layerkv.protocol import DirectExport, Hello
+from vllm_layerkv.staging import RecvRing
 
 
 class DirectUnavailable(RuntimeError):
@@ -84,9 +85,11 @@ def check_geometry(plane: str, num_layers: int, block_bytes: int, local: Sequenc
     """The peer's KV must have this worker's layer count and block size (the Hello check
     already compared the models; this guards the addresses the plane computes)."""
     if num_layers != len(local) or block_bytes != local[0].shape[1]:
+        hint = ("; prefill and decode TP differ, and this engine cannot write head slices"
+                if num_layers == len(local) else "")
         raise DirectUnavailable(
             f"{plane}: decode exported {num_layers} layers x {block_bytes} B blocks, this "
-            f"worker has {len(local)} x {local[0].shape[1]} B")
+            f"worker has {len(local)} x {local[0].shape[1]} B{hint}")
 
 
 def check_blocks(blocks: Sequence[int], num_blocks: int) -> None:
@@ -107,6 +110,16 @@ class PeerWriter(ABC):
         """Write every listed layer's ``src_blocks`` into the peer's ``dst_blocks``; return
         only once the bytes are in the peer's memory. Returns bytes written; raises
         ``DirectWriteFailed`` (or ValueError for bad block ids)."""
+
+    ring_slots: int = 0
+    """Slots of the peer's receive ring this writer can reach (0: it cannot write head slices,
+    which then go as bytes over the control connection)."""
+
+    def write_staged(self, local_heads: int, layers: Sequence[int], src_blocks: Sequence[int],
+                     src_head: int, num_heads: int, staging: torch.Tensor, slot: int) -> int:
+        """Gather a head slice of every (layer, block) into ``staging`` and write it into slot
+        ``slot`` of the peer's receive ring; return once it is there. Returns bytes written."""
+        raise DirectWriteFailed(f"{type(self).__name__} cannot write head slices")
 
     def close(self) -> None:
         """Forget the peer (its channel closed)."""
@@ -163,8 +176,10 @@ class DirectPlane(ABC):
         """D side, once at start (before any forward pass): make the KV reachable."""
 
     @abstractmethod
-    def offer(self, hello: Hello) -> DirectExport | None:
-        """D side: the export for this sender, or None if the plane cannot serve it."""
+    def offer(self, hello: Hello, ring: RecvRing | None = None) -> DirectExport | None:
+        """D side: the export for this sender, or None if the plane cannot serve it. ``ring``:
+        the receive ring for head slices, when the sender's TP differs from this worker's (a
+        plane that cannot export it leaves the slices to the byte path)."""
 
     @abstractmethod
     def attach(self, export: DirectExport) -> PeerWriter:

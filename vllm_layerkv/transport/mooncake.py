@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from vllm_layerkv.protocol import DirectExport, Hello, MooncakeExport
+from vllm_layerkv.staging import RecvRing
 from vllm_layerkv.transport.direct import (
     AddressedPeer,
     DirectPlane,
@@ -100,7 +101,7 @@ class MooncakePlane(DirectPlane):
         self._export = MooncakeExport(session=self._session, protocol=self._protocol,
                                       **layer_geometry(self.local))
 
-    def offer(self, hello: Hello) -> MooncakeExport | None:
+    def offer(self, hello: Hello, ring: RecvRing | None = None) -> MooncakeExport | None:
         return self._export
 
     def attach(self, export: DirectExport) -> MooncakePeer:

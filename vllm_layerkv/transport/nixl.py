@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from vllm_layerkv.protocol import DirectExport, Hello, NixlExport
+from vllm_layerkv.staging import RecvRing
 from vllm_layerkv.transport.direct import (
     AddressedPeer,
     DirectPlane,
@@ -228,7 +229,7 @@ class NixlPlane(DirectPlane):
             agent_name=self._agent.name, agent_metadata=self._agent.get_agent_metadata(),
             mem_type=self._mem, device_id=self._dev, **layer_geometry(self.local))
 
-    def offer(self, hello: Hello) -> NixlExport | None:
+    def offer(self, hello: Hello, ring: RecvRing | None = None) -> NixlExport | None:
         return self._export
 
     def attach(self, export: DirectExport) -> NixlPeer:

@@ -31,6 +31,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 import msgspec
+import torch
 
 from vllm_layerkv.blockio import BlockIO
 from vllm_layerkv.protocol import (
@@ -45,6 +46,7 @@ from vllm_layerkv.protocol import (
     TransferDone,
     WriteGrant,
 )
+from vllm_layerkv.staging import RecvRing, StagingError, scatter
 from vllm_layerkv.transport import faults, framing
 from vllm_layerkv.transport.base import ReceiveSink, SendChannel, Transport, TransportError
 from vllm_layerkv.transport.direct import (
@@ -57,12 +59,22 @@ from vllm_layerkv.transport.direct import (
 
 logger = logging.getLogger("vllm.layerkv.transport.tcp")
 SCRATCH_BYTES = 4 * 1024 * 1024
+_SCATTER_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _scatter_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per device for scattering received slices (off vLLM's streams)."""
+    index = device.index or 0
+    if index not in _SCATTER_STREAMS:
+        _SCATTER_STREAMS[index] = torch.cuda.Stream(device)
+    return _SCATTER_STREAMS[index]
 
 
 class TcpSendChannel(SendChannel):
     def __init__(self, sock: socket.socket, endpoint: str, blocks: BlockIO,
                  on_ack: Callable[[TransferAck], None], on_lost: Callable[[str], None],
-                 writer: PeerWriter | None = None, io_timeout: float = 60.0):
+                 writer: PeerWriter | None = None, io_timeout: float = 60.0,
+                 required: str = "", refusal: str = ""):
         self._sock = sock
         self._endpoint = endpoint
         self._blocks = blocks
@@ -72,6 +84,12 @@ class TcpSendChannel(SendChannel):
         self._writer = writer
         """Set when P writes into D's memory itself (a direct plane) instead of sending bytes."""
         self._io_timeout = io_timeout
+        self._required = required
+        """The ``transport`` setting when it named a plane (head slices may not fall back)."""
+        self._refusal = refusal
+        """Why no write can go to this decode (the forced plane cannot reach it). The
+        connection stays up so that each transfer fails at once and D is told, rather than
+        D waiting out kv_wait_timeout_s for a channel that was never opened."""
         self._grants: queue.SimpleQueue[WriteGrant | None] = queue.SimpleQueue()
         self._seq = 0
         self._reader = threading.Thread(
@@ -91,8 +109,7 @@ class TcpSendChannel(SendChannel):
                      dst_blocks: Sequence[int]) -> int:
         if len(src_blocks) != len(dst_blocks):
             raise ValueError("src_blocks and dst_blocks differ in length")
-        if faults.write_fails(transfer_id):
-            raise TransportError(f"injected write fault for {transfer_id} ({faults.ENV})")
+        self._check_writable(transfer_id)
         if self._writer is not None:
             return self._write_direct(transfer_id, layers, src_blocks, dst_blocks)
         block_bytes = self._blocks.block_bytes
@@ -108,24 +125,19 @@ class TcpSendChannel(SendChannel):
             raise TransportError(f"send to decode {self._endpoint} failed: {e}") from None
         return nbytes
 
+    def _check_writable(self, transfer_id: str) -> None:
+        if self._refusal:
+            raise TransportError(self._refusal)
+        if faults.write_fails(transfer_id):
+            raise TransportError(f"injected write fault for {transfer_id} ({faults.ENV})")
+
     def _write_direct(self, transfer_id: str, layers: Sequence[int], src_blocks: Sequence[int],
                       dst_blocks: Sequence[int]) -> int:
         """Ask D for the blocks, write them through the plane, report the write complete."""
         assert self._writer is not None
-        self._seq += 1
-        seq = self._seq
-        self._send(DirectWrite(transfer_id=transfer_id, seq=seq, layers=list(layers),
-                               dst_blocks=list(dst_blocks)))
-        try:
-            grant = self._grants.get(timeout=self._io_timeout)
-        except queue.Empty:
-            grant = None
-        if grant is None or grant.seq != seq:
-            reason = (f"decode {self._endpoint} did not grant write {seq} within "
-                      f"io_timeout_s={self._io_timeout:.0f}" if grant is None else
-                      f"decode {self._endpoint} granted write {grant.seq}, expected {seq}")
-            self._fail(reason)
-            raise TransportError(reason)
+        grant = self._ask(DirectWrite(transfer_id=transfer_id, seq=0, layers=list(layers),
+                                      dst_blocks=list(dst_blocks)))
+        seq = grant.seq
         if not grant.ok:
             return 0  # D closed the transfer; it will not be reported as received
         nbytes = 0
@@ -136,6 +148,75 @@ class TcpSendChannel(SendChannel):
         finally:
             self._send(DirectWritten(transfer_id=transfer_id, seq=seq, nbytes=nbytes))
         return nbytes
+
+    def write_slices(self, transfer_id: str, layers: Sequence[int], src_blocks: Sequence[int],
+                     dst_blocks: Sequence[int], src_head: int, dst_head: int, num_heads: int,
+                     staging: torch.Tensor) -> int:
+        if len(src_blocks) != len(dst_blocks):
+            raise ValueError("src_blocks and dst_blocks differ in length")
+        self._check_writable(transfer_id)
+        if self._writer is not None and self._writer.ring_slots:
+            return self._write_slices_direct(transfer_id, layers, src_blocks, dst_blocks,
+                                             src_head, dst_head, num_heads, staging)
+        if self._writer is not None and self._required:
+            raise TransportError(
+                f"transport={self._required} cannot write head slices into decode "
+                f"{self._endpoint} (prefill and decode TP differ; only cuda_ipc has a receive "
+                "ring); use transport=auto or tcp")
+        per_block = self._blocks.slice_bytes(num_heads)
+        nbytes = len(layers) * len(src_blocks) * per_block
+        header = BlockData(transfer_id=transfer_id, layers=list(layers),
+                           dst_blocks=list(dst_blocks), block_bytes=per_block, nbytes=nbytes,
+                           first_head=dst_head, num_heads=num_heads)
+        payload = self._blocks.read_slices(layers, src_blocks, src_head, num_heads, staging)
+        try:
+            framing.send_message(self._sock, header)
+            self._sock.sendall(payload)
+        except OSError as e:
+            self._fail(f"send to {self._endpoint} failed: {e}")
+            raise TransportError(f"send to decode {self._endpoint} failed: {e}") from None
+        return nbytes
+
+    def _write_slices_direct(self, transfer_id: str, layers: Sequence[int],
+                             src_blocks: Sequence[int], dst_blocks: Sequence[int],
+                             src_head: int, dst_head: int, num_heads: int,
+                             staging: torch.Tensor) -> int:
+        """Ask D for a receive-ring slot, gather and write into it, report the write: D
+        scatters the slot into its blocks before it frees the slot and closes the write."""
+        assert self._writer is not None
+        nbytes = len(layers) * len(src_blocks) * self._blocks.slice_bytes(num_heads)
+        grant = self._ask(DirectWrite(transfer_id=transfer_id, seq=0, layers=list(layers),
+                                      dst_blocks=list(dst_blocks), first_head=dst_head,
+                                      num_heads=num_heads, nbytes=nbytes))
+        if not grant.ok:
+            return 0
+        written = 0
+        try:
+            written = self._writer.write_staged(self._blocks.local_heads, layers, src_blocks,
+                                                src_head, num_heads, staging, grant.slot)
+        except (DirectWriteFailed, ValueError) as e:
+            raise TransportError(f"direct write to decode {self._endpoint} failed: {e}") from None
+        finally:
+            self._send(DirectWritten(transfer_id=transfer_id, seq=grant.seq, nbytes=written))
+        return written
+
+    def _ask(self, request: DirectWrite) -> WriteGrant:
+        """Send ``request`` under the next sequence number and wait for D's grant."""
+        self._seq += 1
+        request.seq = self._seq
+        self._send(request)
+        try:
+            grant = self._grants.get(timeout=self._io_timeout)
+        except queue.Empty:
+            grant = None
+        if grant is None or grant.seq != request.seq:
+            reason = (f"decode {self._endpoint} did not grant write {request.seq} within "
+                      f"io_timeout_s={self._io_timeout:.0f}" if grant is None else
+                      f"decode {self._endpoint} granted write {grant.seq}, expected "
+                      f"{request.seq}")
+            self._fail(reason)
+            raise TransportError(reason)
+        return grant
 
     def send_done(self, transfer_id: str, tp_rank: int, frames: int, nbytes: int) -> None:
         self._send(TransferDone(transfer_id=transfer_id, tp_rank=tp_rank, frames=frames,
@@ -186,11 +267,16 @@ class TcpSendChannel(SendChannel):
 
 
 class TcpTransport(Transport):
-    def __init__(self, planes: Sequence[DirectPlane] = (), required: str = "") -> None:
+    def __init__(self, planes: Sequence[DirectPlane] = (), required: str = "",
+                 ring_slots: int = 4, ring_slot_bytes: int = 64 << 20) -> None:
         self._planes = list(planes)
         """Direct-write planes this worker can use, in order of preference."""
         self._required = required
         """The ``transport`` setting when it named a plane: no falling back to bytes."""
+        self._ring_shape = (ring_slots, ring_slot_bytes)
+        self._ring: RecvRing | None = None
+        """D: where direct planes put head slices (mismatched TP); made on first need."""
+        self._ring_wait_s = 30.0
         self.name = "+".join(["tcp", *(p.name for p in self._planes)])
         self._server: socket.socket | None = None
         self._stop = threading.Event()
@@ -216,13 +302,15 @@ class TcpTransport(Transport):
         if not isinstance(reply, HelloAck):
             sock.close()
             raise TransportError(f"decode {endpoint} answered {type(reply).__name__} to Hello")
+        refusal = ""
         try:
             writer = self._attach(endpoint, reply)
-        except TransportError:
-            sock.close()
-            raise
+        except TransportError as e:
+            writer, refusal = None, str(e)
+            logger.error("LayerKV: %s", refusal)
         sock.settimeout(io_timeout)  # a D that stops reading fails the send, not hangs it
-        return TcpSendChannel(sock, endpoint, blocks, on_ack, on_lost, writer, io_timeout)
+        return TcpSendChannel(sock, endpoint, blocks, on_ack, on_lost, writer, io_timeout,
+                              self._required, refusal)
 
     def _attach(self, endpoint: str, reply: HelloAck) -> PeerWriter | None:
         """The first plane, in this worker's order, that reaches D's KV; None to send bytes."""
@@ -247,13 +335,14 @@ class TcpTransport(Transport):
         if self._required:
             raise TransportError(
                 f"transport={self._required}: cannot write into decode {endpoint}: {why}; use "
-                "transport=auto to fall back to TCP")
+                "transport=auto or tcp")
         logger.info("LayerKV: sending KV to decode %s over TCP (%s)", endpoint, why)
         return None
 
     # ------------------------------------------------------------------ D side
     def start_receiver(self, host: str, port: int, sink: ReceiveSink, blocks: BlockIO,
                        io_timeout: float) -> str:
+        self._ring_wait_s = io_timeout / 2  # a grant must reach P before its io_timeout
         for plane in list(self._planes):
             try:
                 plane.prepare()
@@ -303,7 +392,8 @@ class TcpTransport(Transport):
         peer = f"{addr[0]}:{addr[1]}"
         hello: Hello | None = None
         scratch = memoryview(bytearray(SCRATCH_BYTES))
-        granted: dict[int, str] = {}  # seq -> transfer_id of direct writes in progress
+        granted: dict[int, tuple[DirectWrite, int]] = {}
+        """seq -> (request, ring slot or -1) of direct writes in progress."""
         try:
             first = framing.recv_message(conn)
             if not isinstance(first, Hello):
@@ -314,8 +404,10 @@ class TcpTransport(Transport):
                 framing.send_message(conn, Refused(transfer_id="", reason=refusal))
                 return
             hello = first
+            ring = self._ring_for(blocks) if first.tp_size != getattr(sink, "tp_size",
+                                                                      first.tp_size) else None
             exports = [e for p in self._planes if p.name in first.direct
-                       if (e := p.offer(first)) is not None]
+                       if (e := p.offer(first, ring)) is not None]
             framing.send_message(conn, HelloAck(tp_rank=getattr(sink, "tp_rank", 0),
                                                 exports=exports))
             while not self._stop.is_set():
@@ -328,11 +420,19 @@ class TcpTransport(Transport):
                                          (hello.engine_id, hello.tp_rank))
                 elif isinstance(msg, DirectWrite) and exports:
                     ok = self._grant(msg, sink, blocks, (hello.engine_id, hello.tp_rank))
+                    slot = -1
+                    if ok and msg.num_heads:
+                        slot = self._ring_slot(msg, ring, sink)
+                        ok = slot >= 0
                     if ok:
-                        granted[msg.seq] = msg.transfer_id
-                    framing.send_message(conn, WriteGrant(seq=msg.seq, ok=ok))
+                        granted[msg.seq] = (msg, slot)
+                    framing.send_message(conn, WriteGrant(seq=msg.seq, ok=ok, slot=slot))
                 elif isinstance(msg, DirectWritten) and msg.seq in granted:
-                    sink.end_write(granted.pop(msg.seq), msg.nbytes)
+                    request, slot = granted.pop(msg.seq)
+                    nbytes = msg.nbytes
+                    if slot >= 0:
+                        nbytes = self._scatter_slot(request, slot, nbytes, ring, blocks)
+                    sink.end_write(request.transfer_id, nbytes)
                 elif isinstance(msg, TransferDone):
                     ack = sink.on_done(msg.transfer_id, msg.tp_rank, hello.tp_size, msg.frames,
                                        msg.nbytes)
@@ -352,14 +452,64 @@ class TcpTransport(Transport):
                 self._conns.discard(conn)
             conn.close()
 
-    @staticmethod
-    def _release_grants(granted: dict[int, str], sink: ReceiveSink) -> None:
+    def _release_grants(self, granted: dict[int, tuple[DirectWrite, int]],
+                        sink: ReceiveSink) -> None:
         """The connection ended with writes granted: they are over. P closes its socket only
         between writes (its sender thread owns both), and the writes of a P that died die with
         it (its CUDA context, its NIXL / Mooncake engine)."""
-        for tid in granted.values():
-            sink.end_write(tid, 0)
+        for request, slot in granted.values():
+            if slot >= 0 and self._ring is not None:
+                self._ring.release(slot)
+            sink.end_write(request.transfer_id, 0)
         granted.clear()
+
+    # ------------------------------------------------------------------ D side, head slices
+    def _ring_for(self, blocks: BlockIO) -> RecvRing | None:
+        """The receive ring, made when the first sender with another TP size connects (equal
+        TP never pays for it); None when no plane here could export it."""
+        if not any(p.name == "cuda_ipc" for p in self._planes):
+            return None
+        with self._lock:
+            if self._ring is None:
+                slots, slot_bytes = self._ring_shape
+                self._ring = RecvRing(slots, slot_bytes, blocks.tensors[0].device)
+                logger.info("LayerKV: receive ring for head slices, %d slots x %d MiB",
+                            slots, slot_bytes >> 20)
+            return self._ring
+
+    def _ring_slot(self, msg: DirectWrite, ring: RecvRing | None, sink: ReceiveSink) -> int:
+        """A free slot for a head-slice write, waiting for one (back-pressure); -1 (and the
+        write refused, the transfer failed) when there is none in time or it cannot fit."""
+        try:
+            if ring is None:
+                raise StagingError("this connection has no receive ring")
+            return ring.acquire(msg.nbytes, self._ring_wait_s)
+        except StagingError as e:
+            sink.end_write(msg.transfer_id, 0)
+            sink.on_abort(msg.transfer_id, f"head-slice write refused: {e}")
+            return -1
+
+    def _scatter_slot(self, request: DirectWrite, slot: int, nbytes: int,
+                      ring: RecvRing | None, blocks: BlockIO) -> int:
+        """Scatter a written ring slot into the blocks, then free the slot. Returns the bytes
+        that landed (0 if P reported a failed write)."""
+        assert ring is not None
+        try:
+            if nbytes != request.nbytes:
+                return 0
+            payload = ring.view(slot, nbytes)
+            if payload.device.type == "cuda":
+                stream = _scatter_stream(payload.device)
+                with torch.cuda.stream(stream):
+                    scatter(payload, blocks.tensors, request.layers, request.dst_blocks,
+                            request.first_head, request.num_heads, blocks.local_heads)
+                stream.synchronize()
+            else:
+                scatter(payload, blocks.tensors, request.layers, request.dst_blocks,
+                        request.first_head, request.num_heads, blocks.local_heads)
+            return nbytes
+        finally:
+            ring.release(slot)
 
     @staticmethod
     def _grant(msg: DirectWrite, sink: ReceiveSink, blocks: BlockIO,
@@ -373,7 +523,13 @@ class TcpTransport(Transport):
     def _receive_blocks(conn: socket.socket, msg: BlockData, sink: ReceiveSink,
                         blocks: BlockIO, scratch: memoryview,
                         source: tuple[str, int]) -> None:
-        block_bytes = blocks.block_bytes
+        if msg.num_heads and not (0 <= msg.first_head
+                                  and msg.first_head + msg.num_heads <= blocks.local_heads):
+            raise TransportError(f"malformed BlockData for {msg.transfer_id}: heads "
+                                 f"[{msg.first_head}, {msg.first_head + msg.num_heads}) outside "
+                                 f"this rank's {blocks.local_heads}")
+        block_bytes = (blocks.slice_bytes(msg.num_heads) if msg.num_heads
+                       else blocks.block_bytes)
         expected = len(msg.layers) * len(msg.dst_blocks) * block_bytes
         if msg.block_bytes != block_bytes or msg.nbytes != expected or any(
             not 0 <= layer < blocks.num_layers for layer in msg.layers
@@ -386,8 +542,10 @@ class TcpTransport(Transport):
             framing.discard(conn, msg.nbytes, scratch)
             return
         written = 0
+        bufs = (blocks.write_slices(msg.layers, msg.dst_blocks, msg.first_head, msg.num_heads)
+                if msg.num_heads else blocks.write(msg.layers, msg.dst_blocks))
         try:
-            for buf in blocks.write(msg.layers, msg.dst_blocks):
+            for buf in bufs:
                 framing.recv_exact_into(conn, buf)
             written = msg.nbytes
         finally:
