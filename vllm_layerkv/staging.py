@@ -11,8 +11,9 @@ of each of P's blocks (or P only some of D's). Sent as they are, that is one tin
   route's head offset.
 
 In the HND layout a block is ``[local_heads, block_size, content]``, so a head slice is one
-contiguous byte range of each block and both copies are a single ``index_select`` /
-``index_copy_`` per layer on the KV's device (CPU or GPU), never on the forward path.
+contiguous byte range of each block. On a GPU with Triton both copies are one fused kernel
+launch per layer group (``fused_copy``); elsewhere one ``index_select`` / ``index_copy_`` per
+layer. Either runs on the KV's device, off the forward path.
 
 ``StagingPool`` bounds the memory: a fixed number of buffers of a fixed size, reused; a sender
 that finds none free waits (bounded by a timeout), so nothing is overwritten before it was
@@ -25,6 +26,8 @@ import threading
 from collections.abc import Sequence
 
 import torch
+
+from vllm_layerkv import fused_copy
 
 
 class StagingError(RuntimeError):
@@ -70,7 +73,11 @@ def gather(tensors: Sequence[torch.Tensor], layers: Sequence[int], blocks: Seque
     if total > out.numel():
         raise StagingError(f"{total} B of head slices do not fit a {out.numel()} B buffer")
     idx = torch.as_tensor(list(blocks), dtype=torch.long, device=tensors[0].device)
-    dst = out[:total].view(len(layers), len(blocks), num_heads, nbytes // num_heads)
+    head_bytes = nbytes // num_heads
+    if fused_copy.copy_slices(tensors, layers, idx, first_head * head_bytes, nbytes, out,
+                              to_buf=True):
+        return out[:total]
+    dst = out[:total].view(len(layers), len(blocks), num_heads, head_bytes)
     for i, layer in enumerate(layers):
         src = _heads_view(tensors[layer], local_heads)[:, first_head:first_head + num_heads]
         torch.index_select(src, 0, idx, out=dst[i])
@@ -86,7 +93,11 @@ def scatter(payload: torch.Tensor, tensors: Sequence[torch.Tensor], layers: Sequ
         raise StagingError(f"payload of {payload.numel()} B is not {len(layers)} layers x "
                            f"{len(blocks)} blocks x {nbytes} B")
     idx = torch.as_tensor(list(blocks), dtype=torch.long, device=tensors[0].device)
-    src = payload.view(len(layers), len(blocks), num_heads, nbytes // num_heads)
+    head_bytes = nbytes // num_heads
+    if fused_copy.copy_slices(tensors, layers, idx, first_head * head_bytes, nbytes, payload,
+                              to_buf=False):
+        return
+    src = payload.view(len(layers), len(blocks), num_heads, head_bytes)
     for i, layer in enumerate(layers):
         dst = _heads_view(tensors[layer], local_heads)[:, first_head:first_head + num_heads]
         # dst is a strided view of the cache: index_copy_ on it writes through to the cache
