@@ -1,11 +1,12 @@
 #!/bin/bash
 # On a lent GPU machine, after the bundle is staged and installed (../shared/gpu/README.md):
-#   bash benchmarks/gpu_bench.sh [--ipc-test] CONFIG... -- [extra ttft_bench.py args]
+#   bash benchmarks/gpu_bench.sh [--ipc-test] [--tp-test] CONFIG... -- [extra ttft_bench.py args]
 #   MODEL_CONFIG=benchmarks/gpu_models/nemotronh8b bash benchmarks/gpu_bench.sh CONFIG... -- \
 #       --no-prefix-caching    (hybrid: attention + Mamba2, dummy weights; vLLM 0.26's NixlConnector
 #       needs VLLM_SSM_CONV_STATE_LAYOUT=DS exported for it, so export it for every configuration)
 # --ipc-test first runs tests/gpu/test_cuda_ipc.py (two processes, P on GPU 0, D on GPU 1: CUDA
-# IPC byte-exact + copy rates). Then benchmarks/ttft_bench.py on the Llama-3.1-8B-shaped dummy
+# IPC byte-exact + copy rates); --tp-test runs tests/gpu/test_tp_gpu.py (prefill TP != decode
+# TP: one process per rank, staging + receive ring, every byte checked, fused copy vs torch). Then benchmarks/ttft_bench.py on the Llama-3.1-8B-shaped dummy
 # model. Results accumulate in $BENCH (kept on the machine while it stays warm, so configurations
 # can run in separate calls and share the single instance's greedy reference); each call packs
 # $BENCH into $OUT/bench.tar.gz and copies the summaries to $OUT.
@@ -26,6 +27,7 @@ BENCH=${BENCH:-$HOME/bench}
 RUN=${RUN:-run$(date +%H%M%S)}
 mkdir -p "$OUT" "$BENCH/$RUN"
 ipc=0; [ "${1:-}" = "--ipc-test" ] && { ipc=1; shift; }
+tptest=0; [ "${1:-}" = "--tp-test" ] && { tptest=1; shift; }
 configs=(); while [ $# -gt 0 ] && [ "$1" != "--" ]; do configs+=("$1"); shift; done; shift || true
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 if [ $ipc = 1 ]; then
@@ -33,6 +35,11 @@ if [ $ipc = 1 ]; then
     > "$BENCH/ipc_test.log" 2>&1; echo "ipc test exit $?"
   grep -E "^(PASSED|FAILED)" "$BENCH/ipc_test.log"
   python3 -c "import json,sys; [print(r['transport'], r['gpus'], 'GB/s %.1f' % r['p']['gbps'], 'direct', r['p']['direct']) for r in json.load(open(sys.argv[1]))]" "$BENCH/ipc_test.json" 2>/dev/null
+fi
+if [ $tptest = 1 ]; then
+  LAYERKV_GPU_RESULTS=$BENCH/tp_test.json timeout 300 python3 tests/gpu/test_tp_gpu.py \
+    > "$BENCH/tp_test.log" 2>&1; echo "tp test exit $?"
+  grep -E "^(PASSED|FAILED|\{)" "$BENCH/tp_test.log"
 fi
 if [ ${#configs[@]} -gt 0 ]; then
   python3 benchmarks/ttft_bench.py --device cuda --model "$MODEL" --load-format dummy \

