@@ -251,10 +251,12 @@ def transfer_counters(prefill: VllmServer, p_tp: int) -> dict[str, float]:
     text = prefill.metrics()
     out = {}
     for name in TRANSFER_COUNTERS:
-        try:
-            out[name.split(":", 1)[1]] = metric(text, name)
-        except KeyError:
-            pass
+        for exposed in (name + "_total", name):  # prometheus_client adds _total to counters
+            try:
+                out[name.split(":", 1)[1]] = metric(text, exposed)
+                break
+            except KeyError:
+                pass
     requests = out.get("layerkv_transfers_sent", 0) / p_tp
     if requests:
         out["requests"] = requests
