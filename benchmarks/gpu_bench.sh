@@ -43,7 +43,8 @@ if [ $tptest = 1 ]; then
 fi
 if [ ${#configs[@]} -gt 0 ]; then
   python3 benchmarks/ttft_bench.py --device cuda --model "$MODEL" --load-format dummy \
-    --configs "${configs[@]}" --out "$BENCH/$RUN" --identity-ref "$BENCH/identity_single.json" "$@" \
+    --configs "${configs[@]}" --out "$BENCH/$RUN" --identity-ref "$BENCH/identity_single.json" \
+    --num-gpus "$(nvidia-smi -L | wc -l)" "$@" \
     > "$BENCH/$RUN/bench.log" 2>&1
   echo "ttft_bench exit $?"
   grep -E "^\[bench|median|identity|\||failed|Error" "$BENCH/$RUN/bench.log" | grep -v "bench serve --backend" | tail -60

