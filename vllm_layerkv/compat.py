@@ -133,3 +133,9 @@ __all__ = [
     "kv_cache_group_kinds",
     "kv_groups",
 ]
+
+
+def device_type(vllm_config: Any) -> str:
+    """The platform vLLM runs on ("cuda", "cpu", ...): ``device_config.device_type`` in 0.26,
+    0.32 and 0.33; "" when a (test) config has none."""
+    return str(getattr(getattr(vllm_config, "device_config", None), "device_type", "") or "")

@@ -108,6 +108,15 @@ class LayerKVConfig:
     D scatters it into its KV blocks before reusing it; when all slots are busy D delays its
     grant (back-pressure)."""
 
+    # --- engine loop ---------------------------------------------------------------------
+    idle_backoff: str = "auto"
+    """While every request only waits (for KV, an ack or a registration), vLLM steps the engine
+    with empty steps as fast as it can. "on": LayerKV slows those steps down, waiting for what
+    they wait for with a growing timeout (workers up to 50 ms, P's scheduler up to 1.25 s) that
+    ends the moment it arrives; needed where instances share CPU cores, whose spinning workers
+    otherwise starve each other. "off": a fixed 2 ms wait per empty worker step. "auto": on for
+    CPU instances, off on GPUs (where it would delay a request arriving at an idle engine)."""
+
     # --- diagnostics ---------------------------------------------------------------------
     trace_path: str = ""
     """If set, workers append one JSON line per transfer event to this file + ".p.<rank>"
@@ -166,9 +175,17 @@ class LayerKVConfig:
         need(bool(self.host), "host must not be empty")
         need(1 <= self.staging_buffer_mb <= 4096,
              f"staging_buffer_mb={self.staging_buffer_mb} must be between 1 and 4096 (MiB)")
+        need(self.idle_backoff in ("auto", "on", "off"),
+             f"idle_backoff={self.idle_backoff!r}: use auto, on or off")
         for name in ("staging_buffers", "recv_ring_slots"):
             need(1 <= getattr(self, name) <= 64, f"{name}={getattr(self, name)} must be "
                  "between 1 and 64")
+
+    def backs_off_when_idle(self, device_type: str) -> bool:
+        """``idle_backoff`` resolved for an instance on ``device_type`` ("cpu", "cuda", ...)."""
+        if self.idle_backoff == "auto":
+            return device_type == "cpu"
+        return self.idle_backoff == "on"
 
     def replace(self, **changes: Any) -> LayerKVConfig:
         return dataclasses.replace(self, **changes)

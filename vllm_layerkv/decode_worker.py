@@ -42,5 +42,9 @@ class DecodeWorker:
             self._tracer.flush()
         return finished, failed
 
+    def pending(self) -> bool:
+        """Transfers this worker still expects."""
+        return self._table.pending() > 0
+
     def failed_blocks(self) -> set[int]:
         return self._table.drain_failed_blocks()

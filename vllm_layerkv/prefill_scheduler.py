@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +39,21 @@ from vllm_layerkv.registrar import RegistrationServer
 from vllm_layerkv.request_params import PrefillParams
 
 logger = logging.getLogger("vllm.layerkv.prefill_scheduler")
+IDLE_WAIT_MIN_S = 0.01
+IDLE_WAIT_MAX_S = 1.25
+"""While P only waits for decode registrations (prefills deferred for one, finished prefills
+holding their blocks for one) and vLLM steps the engine with nothing to schedule, the scheduler
+waits for a registration or cancel before each such step (it returns as soon as one arrives):
+first IDLE_WAIT_MIN_S, doubling on every further idle step up to IDLE_WAIT_MAX_S, and never past
+the next deadline (end of a deferral, expiry of a hold). vLLM keeps stepping for as long as P
+holds blocks, and unthrottled every empty step is a full round trip through the executor:
+~700 steps/s with TP=2 on CPU, which starved every other process of a 2-core host, and vLLM's
+workers busy-poll their message queue for 1 s after each step, which starved a decode worker
+pinned to the same core (measured: D's first registration then only arrived after
+registration_timeout_s, and D requests stalled for the whole hold). The ceiling is above that
+1 s, so a long hold leaves P's workers idle. The cost: a new request that reaches P during such
+a wait is scheduled up to that long later, which is why only ``idle_backoff`` (on for CPU
+instances by default, config.py) turns this on."""
 EARLY_REGISTRATION_TTL_S = 3600.0
 """A registration whose prefill request has not been scheduled yet is kept until D cancels it
 (D sends Cancel when it times out or aborts). The request may sit in P's queue behind other
@@ -63,8 +79,11 @@ class _Prefill:
 
 class PrefillScheduler:
     def __init__(self, config: LayerKVConfig, compat: CompatInfo, tp_size: int,
-                 groups: list[KVGroupInfo], engine_id: str):
+                 groups: list[KVGroupInfo], engine_id: str, idle_backoff: bool = False):
+        """``idle_backoff``: throttle empty engine steps while P only waits for registrations
+        (``LayerKVConfig.idle_backoff`` resolved for this instance's device)."""
         self._config = config
+        self._idle_backoff = idle_backoff
         self._compat = compat
         self._tp_size = tp_size
         self._groups = groups
@@ -83,8 +102,11 @@ class PrefillScheduler:
         refused instead of waiting forever."""
         self._pending = LayerKVMetadata()
         self._first_seen: dict[str, float] = {}
+        self._arrived = threading.Event()
+        """Set by the registration threads when a Register or Cancel is queued."""
+        self._idle_wait = IDLE_WAIT_MIN_S
         self._server = RegistrationServer(config.host, config.registration_port,
-                                          self._on_register, self._incoming.put)
+                                          self._on_register, self._on_cancel)
         self.endpoint = self._server.endpoint
         logger.info("LayerKV prefill registration endpoint %s (engine %s, TP %d)", self.endpoint,
                     engine_id, tp_size)
@@ -101,7 +123,12 @@ class PrefillScheduler:
             logger.error("refusing registration of transfer %s: %s", reg.transfer_id, err)
             return Refused(transfer_id=reg.transfer_id, reason=err)
         self._incoming.put(reg)
+        self._arrived.set()
         return RegisterAck(transfer_id=reg.transfer_id, tp_size=self._tp_size)
+
+    def _on_cancel(self, msg: Cancel) -> None:
+        self._incoming.put(msg)
+        self._arrived.set()
 
     # ------------------------------------------------------------ scheduler thread
     def should_defer(self, req_id: str, params: PrefillParams) -> bool:
@@ -142,6 +169,7 @@ class PrefillScheduler:
         return None
 
     def build_meta(self, meta: LayerKVMetadata, scheduler_output: Any) -> None:
+        self._wait_for_decode(scheduler_output)
         self._drain_incoming()
         self._expire()
         pending, self._pending = self._pending, LayerKVMetadata()
@@ -211,6 +239,33 @@ class PrefillScheduler:
             p = self._by_req.get(req_id)
             if p is not None:
                 self._forget(p)
+
+    def _wait_for_decode(self, scheduler_output: Any) -> None:
+        """Throttle empty engine steps while P only waits for registrations (IDLE_WAIT_MAX_S)."""
+        deadline = self._next_deadline() if self._idle_backoff else None
+        if scheduler_output.total_num_scheduled_tokens or deadline is None:
+            self._idle_wait = IDLE_WAIT_MIN_S
+            self._arrived.clear()
+            return
+        wait = min(self._idle_wait, max(0.0, deadline - time.monotonic()))
+        if self._arrived.wait(wait):
+            self._idle_wait = IDLE_WAIT_MIN_S
+        else:
+            self._idle_wait = min(2 * self._idle_wait, IDLE_WAIT_MAX_S)
+        self._arrived.clear()  # whatever arrived is drained right after
+
+    def _next_deadline(self) -> float | None:
+        """When P's wait next changes by itself (a deferral ends, a hold expires), or None when
+        P waits for something else too: work queued for the workers, transfers they have yet
+        to report (those steps the workers throttle), or nothing at all."""
+        if self._pending.flushes or self._pending.releases or self._pending.aborts:
+            return None
+        if any(p.released for p in self._by_req.values()):
+            return None
+        deadlines = [t + self._config.registration_wait_s for t in self._first_seen.values()]
+        deadlines += [p.hold_deadline for p in self._by_req.values()
+                      if p.finished and p.reg is None]
+        return min(deadlines, default=None)
 
     def has_pending_work(self) -> bool:
         return any(p.finished for p in self._by_req.values())

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from vllm_layerkv.compat import kv_groups, truncate_prompt
+from vllm_layerkv.compat import device_type, kv_groups, truncate_prompt
 from vllm_layerkv.config import LayerKVConfig
 from vllm_layerkv.kvgroups import prefill_backoff
 from vllm_layerkv.decode_scheduler import DecodeScheduler
@@ -42,7 +42,9 @@ class LayerKVScheduler:
             logger.info("LayerKV: hybrid model with state groups %s: prefill computes the "
                         "prompt minus its last %d token(s), decode recomputes them",
                         [g.signature() for g in groups], self._backoff)
-        self._prefill = (PrefillScheduler(config, compat, tp_size, groups, engine_id)
+        idle_backoff = config.backs_off_when_idle(device_type(vllm_config))
+        self._prefill = (PrefillScheduler(config, compat, tp_size, groups, engine_id,
+                                          idle_backoff)
                          if is_producer else None)
         self._decode = (DecodeScheduler(config, compat, tp_size, engine_id, self._backoff)
                         if is_consumer else None)

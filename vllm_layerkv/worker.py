@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from vllm_layerkv.blockio import block_io_for
-from vllm_layerkv.compat import kv_groups, tp_rank_and_size
+from vllm_layerkv.compat import device_type, kv_groups, tp_rank_and_size
 from vllm_layerkv.config import LayerKVConfig
 from vllm_layerkv.decode_worker import DecodeWorker
 from vllm_layerkv.layout import KVLayout, LayoutError, compat_info
@@ -27,9 +27,17 @@ from vllm_layerkv.transport import Transport, create_transport
 
 logger = logging.getLogger("vllm.layerkv.worker")
 IDLE_WAIT_S = 0.002
-"""On a step with nothing scheduled, wait this long for a completion instead of returning at
-once: vLLM's engine loop steps continuously while requests wait for KV, and would otherwise
-spin a core."""
+IDLE_WAIT_MAX_S = 0.05
+"""On a step with nothing scheduled while transfers are in flight, wait for a completion instead
+of returning at once: IDLE_WAIT_S, doubling on each further idle step that ends without one, up
+to IDLE_WAIT_MAX_S (back to IDLE_WAIT_S after a completion or a step with work). vLLM's engine
+loop steps continuously while requests wait for KV or acknowledgements, and its workers
+busy-poll their message queue between steps: with 2 ms waits a worker still spun half the time,
+which on a small CPU host starved the other instance's worker pinned to the same core (the one
+this side was waiting for). A completion ends the wait at once; the cost is at most
+IDLE_WAIT_MAX_S for a new request that arrives while every request waits, so the wait grows only
+with ``idle_backoff`` (on for CPU instances by default, config.py); otherwise it stays
+IDLE_WAIT_S."""
 
 
 class LayerKVWorker:
@@ -51,6 +59,10 @@ class LayerKVWorker:
         self._decode: DecodeWorker | None = None
         self._sender: Sender | None = None
         self._meta: LayerKVMetadata | None = None
+        self._idle_wait = IDLE_WAIT_S
+        self._idle_wait_max = (IDLE_WAIT_MAX_S if config.backs_off_when_idle(
+            device_type(vllm_config)) else IDLE_WAIT_S)
+        """The wait grows only with idle_backoff on (CPU instances by default)."""
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         groups = kv_groups(self._kv_cache_config)
@@ -114,16 +126,24 @@ class LayerKVWorker:
     def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving) since the last call."""
         idle = self._meta is not None and self._meta.empty_step
+        wait = self._idle_wait if idle else 0.0
+        waited = event = False
         sending: set[str] = set()
         recving: set[str] = set()
         failed: set[str] = set()
         if self._prefill is not None:
-            if idle and self._prefill.has_pending() and self._sender is not None:
-                self._sender.state.changed.wait(IDLE_WAIT_S)
+            if wait and self._prefill.has_pending() and self._sender is not None:
+                waited = True
+                event = self._sender.state.changed.wait(wait)
                 self._sender.state.changed.clear()
             sending = self._prefill.finished_sending()
         if self._decode is not None:
-            recving, failed = self._decode.results(IDLE_WAIT_S if idle else 0.0)
+            waited = waited or (wait > 0 and self._decode.pending())
+            recving, failed = self._decode.results(wait)
+        if not waited or event or sending or recving or failed:
+            self._idle_wait = IDLE_WAIT_S
+        else:
+            self._idle_wait = min(2 * self._idle_wait, self._idle_wait_max)
         return sending, recving, failed
 
     def failed_blocks(self) -> set[int]:

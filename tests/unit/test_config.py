@@ -227,3 +227,13 @@ def test_every_setting_is_documented() -> None:
     text = DOC.read_text()
     missing = [name for name in FIELDS if f"`{name}`" not in text]
     assert not missing, f"settings missing from docs/configuration.md: {missing}"
+
+
+def test_idle_backoff_resolves_by_device_and_refuses_other_values() -> None:
+    auto = LayerKVConfig.from_extra_config({})
+    assert auto.backs_off_when_idle("cpu") and not auto.backs_off_when_idle("cuda")
+    on = LayerKVConfig.from_extra_config({"idle_backoff": "on"})
+    off = LayerKVConfig.from_extra_config({"idle_backoff": "off"})
+    assert on.backs_off_when_idle("cuda") and not off.backs_off_when_idle("cpu")
+    with pytest.raises(ConfigError, match="idle_backoff='sometimes': use auto, on or off"):
+        LayerKVConfig.from_extra_config({"idle_backoff": "sometimes"})

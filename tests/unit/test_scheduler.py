@@ -688,3 +688,49 @@ def test_sliding_window_sends_only_the_tail_after_the_last_chunk(engines) -> Non
         assert torch.equal(rows, want[:, None, None].expand_as(rows)), f"layer {layer}"
     run_both_until_idle(p, d)
     assert d.finished[rd.request_id].finish_reason == FinishReason.LENGTH
+
+
+# ------------------------------------------------------------------------ idle back-off
+
+
+def _empty_step_seconds(p: Engine, steps: int) -> list[float]:
+    out = []
+    for _ in range(steps):
+        t0 = time.monotonic()
+        assert p.step().num_scheduled == {}
+        out.append(time.monotonic() - t0)
+    return out
+
+
+@pytest.mark.parametrize("setting", ["on", "auto"])  # these engines run on CPU: auto is on
+def test_idle_backoff_slows_empty_steps_while_p_waits_and_a_registration_ends_it(
+        engines, setting) -> None:
+    """A prefill deferred for its registration: P's empty steps wait longer and longer (they
+    would starve whatever shares the cores), and the registration wakes the wait at once."""
+    from vllm_layerkv.prefill_scheduler import IDLE_WAIT_MIN_S
+
+    p = engines("kv_producer", {"registration_wait_s": 30, "idle_backoff": setting})
+    d = engines("kv_consumer")
+    rp = create_request(40, {"do_remote_decode": True, "transfer_id": "bo"}, seed=5)
+    p.scheduler.add_request(rp)
+    waits = _empty_step_seconds(p, 5)
+    assert waits[0] >= IDLE_WAIT_MIN_S * 0.9
+    assert waits[-1] >= 8 * IDLE_WAIT_MIN_S * 0.9  # 10, 20, 40, 80, 160 ms
+    rd = create_request(40, decode_params("bo", p.endpoint), max_tokens=2, seed=5)
+    d.scheduler.add_request(rd)
+    d.step()
+    t0 = time.monotonic()
+    while not p.step().num_scheduled:  # woken by the registration, then scheduled
+        assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 < 0.5
+    run_both_until_idle(p, d)
+
+
+def test_idle_backoff_off_leaves_empty_steps_alone(engines) -> None:
+    """GPU default (auto resolves to off there): P's scheduler never waits."""
+    p = engines("kv_producer", {"registration_wait_s": 30, "idle_backoff": "off"})
+    rp = create_request(40, {"do_remote_decode": True, "transfer_id": "nb"}, seed=6)
+    p.scheduler.add_request(rp)
+    assert max(_empty_step_seconds(p, 5)) < 0.05
+    p.scheduler.finish_requests(rp.request_id, RequestStatus.FINISHED_ABORTED)
+    p.run_until(p.idle)
