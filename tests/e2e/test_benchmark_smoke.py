@@ -20,13 +20,15 @@ def test_ttft_bench_cpu_smoke(tmp_path: Path) -> None:
     out = tmp_path / "bench"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "ttft_bench.py"), "--device", "cpu",
            "--model", str(model_path("tiny-llama")), "--configs", "single", "layerkv",
+           "layerkv-tp2-tp1",
            "--prompt-lens", "64", "512", "--num-prompts", "2", "--identity", "3",
            "--max-model-len", "2048", "--trace", "--out", str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["identity"] == {"single_vs_single": 3, "layerkv_vs_single": 3, "prompts": 3}
-    for config in ("single", "layerkv"):
+    assert summary["identity"] == {"single_vs_single": 3, "layerkv_vs_single": 3,
+                                   "layerkv-tp2-tp1_vs_single": 3, "prompts": 3}
+    for config in ("single", "layerkv", "layerkv-tp2-tp1"):
         for n in (64, 512):
             res = summary["results"][config][f"c1_in{n}"]
             assert res["completed"] == 2 and res["failed"] == 0
@@ -46,3 +48,9 @@ def test_ttft_bench_cpu_smoke(tmp_path: Path) -> None:
                                 "d_first")]
         assert all(p >= 0 for p in parts), r
         assert abs(sum(parts) - r["total"]) < 0.1, r
+    # P TP2 -> D TP1 (cores 0|1 and 1): head slices, counted by P's transfer counters: the
+    # requests P streamed KV for (at most the 9 sent: 2 + 2 measured, 3 identity, 2 warm-up;
+    # 8 in the runs seen) went as a few staged sends per rank each
+    counters = summary["results"]["layerkv-tp2-tp1"]["counters"]
+    assert 6 <= counters["requests"] <= 9, counters
+    assert 0 < counters["transfer_ops_per_request"] < 20, counters
