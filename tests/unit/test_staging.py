@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from vllm_layerkv import tp
-from vllm_layerkv.staging import StagingError, StagingPool, gather, scatter
+from vllm_layerkv.staging import RecvRing, StagingError, StagingPool, gather, scatter
 
 LAYERS, BLOCKS, BLOCK_TOKENS, HEAD_DIM, ELEM = 3, 12, 4, 8, 2  # bf16-sized elements
 POISON = 0xEE
@@ -99,3 +99,55 @@ def test_pool_is_bounded_and_waits_for_a_release() -> None:
     waiter.join(5.0)
     assert got and got[0].data_ptr() == held.data_ptr()  # reused, not reallocated
     assert pool.waits == 2 and pool.free == 0
+
+
+def test_receive_ring_grants_each_slot_once_and_holds_back_until_one_is_freed() -> None:
+    """D's receive ring: a slot is not granted again before it was scattered and freed; with
+    every slot busy the grant waits (back-pressure), bounded; oversize writes are refused."""
+    ring = RecvRing(2, 1024, "cpu")
+    with pytest.raises(StagingError, match="no larger than decode's"):
+        ring.acquire(2048, timeout=0.1)
+    a, b = ring.acquire(1024, timeout=0.1), ring.acquire(10, timeout=0.1)
+    assert {a, b} == {0, 1}
+    assert ring.view(a, 16).data_ptr() == ring.tensor[a].data_ptr()
+    with pytest.raises(StagingError, match="no receive-ring slot was freed"):
+        ring.acquire(10, timeout=0.1)
+    got: list[int] = []
+    waiter = threading.Thread(target=lambda: got.append(ring.acquire(10, timeout=5.0)))
+    waiter.start()
+    time.sleep(0.1)
+    assert not got  # back-pressure: still waiting, nothing handed out twice
+    ring.release(b)
+    waiter.join(5.0)
+    assert got == [b] and ring.waits == 2
+
+
+def test_a_full_ring_refuses_the_write_and_fails_the_transfer_on_decode() -> None:
+    """TcpTransport on D: a head-slice write that finds no free slot in time is refused and
+    its transfer aborted with the reason (P then fails it), instead of overwriting a slot."""
+    from vllm_layerkv.protocol import DirectWrite
+    from vllm_layerkv.transport.tcp import TcpTransport
+
+    class Sink:
+        def __init__(self) -> None:
+            self.ended: list[str] = []
+            self.aborted: list[tuple[str, str]] = []
+
+        def end_write(self, transfer_id: str, nbytes: int) -> None:
+            self.ended.append(transfer_id)
+
+        def on_abort(self, transfer_id: str, reason: str) -> None:
+            self.aborted.append((transfer_id, reason))
+
+    ring = RecvRing(1, 1024, "cpu")
+    held = ring.acquire(10, timeout=0.1)
+    transport = TcpTransport()
+    transport._ring_wait_s = 0.1
+    sink = Sink()
+    msg = DirectWrite(transfer_id="t", seq=1, layers=[0], dst_blocks=[3], first_head=0,
+                      num_heads=1, nbytes=64)
+    assert transport._ring_slot(msg, ring, sink) == -1  # type: ignore[arg-type]
+    assert sink.ended == ["t"]
+    assert sink.aborted and "head-slice write refused: no receive-ring slot" in sink.aborted[0][1]
+    ring.release(held)
+    assert transport._ring_slot(msg, ring, sink) == held  # type: ignore[arg-type]
