@@ -17,6 +17,24 @@ the proxy receiving D's first bytes:
   d_first       -> D's first bytes reach the proxy (D schedules the request, recomputes the last
                 prompt token, samples, detokenizes, streams)
 
+With P's scheduler trace (``trace.psched.0``), start_delay is split (``P_PARTS``):
+
+  p_intake      proxy in -> P's scheduler first sees the request (HTTP, tokenization, engine
+                input queue)
+  reg_wait      -> P admits it: D's registration is there (or ``registration_wait_s`` ran out)
+  p_plan        -> P's worker plans the first chunk's sends (the step starts)
+
+With D's scheduler trace (``trace.dsched.0``, written since the decode scheduler traces too),
+d_first is split further (``D_PARTS``; their sum is d_first):
+
+  d_seen        report -> vLLM's scheduler has it (update_connector_output; with asynchronous
+                scheduling the step output is processed after the next step was scheduled)
+  d_sched       -> the scheduler schedules the request's first-token step (build_connector_meta)
+  d_bind        -> D's worker starts that step (bind_connector_metadata)
+  d_forward     -> the step's forward is launched (wait_for_save; the GPU may still run it)
+  d_out         -> D's first bytes reach the proxy (sampling, output processing, detokenizing,
+                the HTTP stream)
+
     python benchmarks/profile_trace.py DIR [--json OUT]
 """
 
@@ -31,6 +49,10 @@ from pathlib import Path
 from typing import Any
 
 SEGMENTS = ("start_delay", "prefill", "last_copy", "done_msg", "report", "d_first")
+D_PARTS = ("d_seen", "d_sched", "d_bind", "d_forward", "d_out")
+D_MARKS = ("recv_seen", "d_scheduled", "d_step_bound", "d_step_launched")
+P_PARTS = ("p_intake", "reg_wait", "p_plan")
+P_MARKS = ("p_seen", "p_admitted")
 
 
 def read_events(path: Path) -> list[dict[str, Any]]:
@@ -67,6 +89,18 @@ def request_breakdowns(trace_dir: Path) -> list[dict[str, Any]]:
             for req_id in e["req_ids"]:
                 reported.setdefault(req_id, e["t"])
 
+    # D's first-token step: scheduler marks (trace.dsched.0) and worker marks (trace.d.0)
+    d_marks: dict[str, dict[str, float]] = defaultdict(dict)
+    for e in read_events(trace_dir / "trace.dsched.0") + d_events:
+        if e["ev"] in D_MARKS:
+            for req_id in e["req_ids"]:
+                d_marks[req_id].setdefault(e["ev"], e["t"])
+
+    p_marks: dict[str, dict[str, float]] = defaultdict(dict)
+    for e in read_events(trace_dir / "trace.psched.0"):
+        if e["ev"] in P_MARKS:
+            p_marks[e["transfer_id"]].setdefault(e["ev"], e["t"])
+
     proxy_t: dict[str, dict[str, float]] = defaultdict(dict)
     for e in proxy:
         proxy_t[e["transfer_id"]].setdefault(e["ev"], e["t"])
@@ -95,6 +129,16 @@ def request_breakdowns(trace_dir: Path) -> list[dict[str, Any]]:
         for name, a, b in zip(SEGMENTS, marks, marks[1:]):
             row[name] = round((b - a) * 1000, 2)
         row["total"] = round((marks[-1] - marks[0]) * 1000, 2)
+        pm = p_marks.get(tid, {})
+        if all(m in pm for m in P_MARKS):
+            p = [pt["proxy_in"], *(pm[m] for m in P_MARKS), tid_plans[0]["t"]]
+            for name, a, b in zip(P_PARTS, p, p[1:]):
+                row[name] = round((b - a) * 1000, 2)
+        dm = d_marks.get(req_id, {})
+        if all(m in dm for m in D_MARKS):
+            d = [reported[req_id], *(dm[m] for m in D_MARKS), pt["proxy_d_first"]]
+            for name, a, b in zip(D_PARTS, d, d[1:]):
+                row[name] = round((b - a) * 1000, 2)
         rows.append(row)
     return rows
 
@@ -104,13 +148,22 @@ def medians_by_length(rows: list[dict[str, Any]]) -> dict[int, dict[str, float]]
     by_len: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
         by_len[round(r["prompt_tokens_computed"] / 256) * 256].append(r)
-    return {n: {"requests": len(rs), **{k: round(statistics.median(r[k] for r in rs), 2)
-                                         for k in (*SEGMENTS, "total")}}
-            for n, rs in sorted(by_len.items())}
+    out = {}
+    for n, rs in sorted(by_len.items()):
+        keys = [*SEGMENTS, "total"]
+        for parts in (P_PARTS, D_PARTS):
+            if all(k in r for r in rs for k in parts):
+                keys += parts
+        out[n] = {"requests": len(rs), **{k: round(statistics.median(r[k] for r in rs), 2)
+                                          for k in keys}}
+    return out
 
 
 def format_table(medians: dict[int, dict[str, float]]) -> str:
-    cols = ("requests", *SEGMENTS, "total")
+    cols: tuple[str, ...] = ("requests", *SEGMENTS, "total")
+    for parts in (P_PARTS, D_PARTS):
+        if medians and all(k in m for m in medians.values() for k in parts):
+            cols += parts
     lines = ["| prompt tokens (P computed) | " + " | ".join(cols) + " |",
              "|---" * (len(cols) + 1) + "|"]
     for n, m in medians.items():

@@ -142,6 +142,23 @@ def server(args: argparse.Namespace, role: str, out: Path, kv: dict | None,
         enable_prefix_caching=not args.no_prefix_caching)
 
 
+def start_pair(p: VllmServer, d: VllmServer, args: argparse.Namespace, p_tp: int,
+               d_tp: int) -> None:
+    """Start P and D together, or one after the other where they share a GPU: vLLM sizes its
+    KV cache from the memory it sees in use while it profiles, so a neighbour loading at the
+    same time is counted as its own (seen: eager P and D on one H200, the second to profile
+    found 0.44 GiB for KV and refused to start)."""
+    if args.device == "cuda" and placement("decode", d_tp, p_tp, args.num_gpus)[1]:
+        start_all([p], timeout=args.start_timeout)
+        try:
+            start_all([d], timeout=args.start_timeout)
+        except BaseException:
+            stop_all([p])  # as start_all does for a pair: never leave half a configuration
+            raise
+    else:
+        start_all([p, d], timeout=args.start_timeout)
+
+
 LAYERKV_CONFIGS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
     # name: (kv_connector_extra_config of P and D, environment of P and D)
     "layerkv": ({}, {}),
@@ -178,7 +195,7 @@ def start_config(config: Config, args: argparse.Namespace, out: Path
                                           "kv_role": "kv_consumer", **buf},
                    {**env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(d_port),
                     "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}, tp=d_tp, other_tp=p_tp)
-        start_all([p, d], timeout=args.start_timeout)
+        start_pair(p, d, args, p_tp, d_tp)
         port = free_port()
         proxy = HelperProcess([sys.executable, str(ROOT / "benchmarks" / "nixl_proxy.py"), "--prefill",
                       p.url, "--decode", d.url, "--port", str(port)], cdir / "proxy.log",
@@ -206,7 +223,7 @@ def start_config(config: Config, args: argparse.Namespace, out: Path
         d = server(args, "decode", cdir, {**lkv, "kv_role": "kv_consumer",
                                           "kv_connector_extra_config": common}, env,
                    tp=d_tp, other_tp=p_tp)
-        start_all([p, d], timeout=args.start_timeout)
+        start_pair(p, d, args, p_tp, d_tp)
         port = free_port()
         proxy = HelperProcess([sys.executable, "-m", "vllm_layerkv.cli", "proxy", "--prefill", p.url,
                       "--decode", d.url, "--port", str(port), *trace], cdir / "proxy.log",

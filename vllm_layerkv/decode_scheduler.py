@@ -26,6 +26,7 @@ from vllm_layerkv.metadata import LayerKVMetadata, RecvClose, RecvTask
 from vllm_layerkv.protocol import Cancel, CompatInfo, Refused, Register
 from vllm_layerkv.registrar import RegistrationClient
 from vllm_layerkv.request_params import DecodeParams
+from vllm_layerkv.trace import Tracer
 
 logger = logging.getLogger("vllm.layerkv.decode_scheduler")
 
@@ -57,6 +58,9 @@ class DecodeScheduler:
         """Requests already registered (vLLM calls update_state_after_alloc again, with 0
         external tokens, when a request is re-admitted after its KV arrived)."""
         self._pending = LayerKVMetadata()
+        self._tracer = Tracer(config.trace_path, "dsched", 0)
+        self._received: set[str] = set()
+        """Tracing only: received requests not yet scheduled for their first token."""
 
     def set_data_endpoints(self, endpoints: list[str]) -> None:
         if any(not e for e in endpoints):
@@ -100,8 +104,10 @@ class DecodeScheduler:
         self._pending.recvs.append(RecvTask(req_id, params.transfer_id, writable))
         self._client.send(params.remote_endpoint, reg)
 
-    def build_meta(self, meta: LayerKVMetadata) -> None:
+    def build_meta(self, meta: LayerKVMetadata, scheduler_output: Any = None) -> None:
         self._drain_replies()
+        if self._received and scheduler_output is not None:
+            self._trace_first_steps(meta, scheduler_output)
         now = time.monotonic()
         for w in list(self._waiting.values()):
             if not w.closed and now > w.deadline:
@@ -125,6 +131,11 @@ class DecodeScheduler:
                                                  reason="decode request aborted"))
 
     def finished_recving(self, req_ids: set[str]) -> None:
+        if self._tracer.enabled:
+            # vLLM has the worker's report now (with async scheduling, one step after it)
+            self._tracer.event("recv_seen", req_ids=sorted(req_ids))
+            self._tracer.flush()
+            self._received |= req_ids
         for req_id in req_ids:
             w = self._waiting.pop(req_id, None)
             if w is not None:
@@ -132,6 +143,18 @@ class DecodeScheduler:
 
     def shutdown(self) -> None:
         self._client.close()
+
+    def _trace_first_steps(self, meta: LayerKVMetadata, scheduler_output: Any) -> None:
+        """Tracing only: the step that computes a received request's first token, so that the
+        profile can split D's part of TTFT (scheduled here, bound and launched on the worker)."""
+        scheduled = {r.req_id for r in scheduler_output.scheduled_new_reqs}
+        scheduled.update(scheduler_output.scheduled_cached_reqs.req_ids)
+        first = sorted(self._received & scheduled)
+        if first:
+            self._received -= set(first)
+            meta.trace_first_steps += first
+            self._tracer.event("d_scheduled", req_ids=first)
+            self._tracer.flush()
 
     def _drain_replies(self) -> None:
         while True:

@@ -37,6 +37,7 @@ from vllm_layerkv.protocol import (
 )
 from vllm_layerkv.registrar import RegistrationServer
 from vllm_layerkv.request_params import PrefillParams
+from vllm_layerkv.trace import Tracer
 
 logger = logging.getLogger("vllm.layerkv.prefill_scheduler")
 IDLE_WAIT_MIN_S = 0.01
@@ -105,6 +106,7 @@ class PrefillScheduler:
         self._arrived = threading.Event()
         """Set by the registration threads when a Register or Cancel is queued."""
         self._idle_wait = IDLE_WAIT_MIN_S
+        self._tracer = Tracer(config.trace_path, "psched", 0)
         self._server = RegistrationServer(config.host, config.registration_port,
                                           self._on_register, self._on_cancel)
         self.endpoint = self._server.endpoint
@@ -124,6 +126,9 @@ class PrefillScheduler:
             return Refused(transfer_id=reg.transfer_id, reason=err)
         self._incoming.put(reg)
         self._arrived.set()
+        if self._tracer.enabled:
+            self._tracer.event("reg_arrived", transfer_id=reg.transfer_id)
+            self._tracer.flush()
         return RegisterAck(transfer_id=reg.transfer_id, tp_size=self._tp_size)
 
     def _on_cancel(self, msg: Cancel) -> None:
@@ -136,6 +141,8 @@ class PrefillScheduler:
         ``registration_wait_s``): only a registered request can stream its first chunk while it
         is computed. D receives the request concurrently, so the wait is normally a few ms."""
         wait = self._config.registration_wait_s
+        if self._tracer.enabled and req_id not in self._by_req and req_id not in self._first_seen:
+            self._tracer.event("p_seen", transfer_id=params.transfer_id)
         if wait <= 0 or req_id in self._by_req:  # re-admitted after preemption: go on
             return False
         self._drain_incoming()
@@ -161,6 +168,9 @@ class PrefillScheduler:
                     "mint a fresh transfer_id per request")
         p = _Prefill(req_id, params.transfer_id, num_prompt_tokens,
                      block_ids=[[] for _ in self._groups])
+        if self._tracer.enabled:
+            self._tracer.event("p_admitted", transfer_id=params.transfer_id)
+            self._tracer.flush()
         self._by_req[req_id] = p
         self._by_tid[params.transfer_id] = p
         early = self._early_regs.pop(params.transfer_id, None)

@@ -106,7 +106,7 @@ class LayerKVScheduler:
         if self._prefill is not None:
             self._prefill.build_meta(meta, scheduler_output)
         if self._decode is not None:
-            self._decode.build_meta(meta)
+            self._decode.build_meta(meta, scheduler_output)
         return meta
 
     def request_finished(self, request: Any, block_ids: tuple[list[int], ...]

@@ -110,6 +110,8 @@ class LayerKVWorker:
             self._prefill.bind(meta)
         if self._decode is not None:
             self._decode.bind(meta)
+        if meta.trace_first_steps:
+            self._tracer.event("d_step_bound", req_ids=meta.trace_first_steps)
 
     def on_layer_saved(self, layer_name: str) -> None:
         if self._prefill is not None:
@@ -118,6 +120,9 @@ class LayerKVWorker:
     def end_step(self) -> None:
         if self._prefill is not None:
             self._prefill.end_step()
+        if self._meta is not None and self._meta.trace_first_steps:
+            # the forward is launched (on GPU it may still run; sampling follows)
+            self._tracer.event("d_step_launched", req_ids=self._meta.trace_first_steps)
         self._tracer.flush()
 
     def clear(self) -> None:

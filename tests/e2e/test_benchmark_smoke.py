@@ -48,6 +48,15 @@ def test_ttft_bench_cpu_smoke(tmp_path: Path) -> None:
                                 "d_first")]
         assert all(p >= 0 for p in parts), r
         assert abs(sum(parts) - r["total"]) < 0.1, r
+        # D's part split by D's scheduler and worker marks: each step of the first-token
+        # step in order, adding up to d_first
+        d_parts = [r[k] for k in ("d_seen", "d_sched", "d_bind", "d_forward", "d_out")]
+        assert all(p >= 0 for p in d_parts), r
+        assert abs(sum(d_parts) - r["d_first"]) < 0.1, r
+        # and P's part of start_delay by P's scheduler marks
+        p_parts = [r[k] for k in ("p_intake", "reg_wait", "p_plan")]
+        assert all(p >= 0 for p in p_parts), r
+        assert abs(sum(p_parts) - r["start_delay"]) < 0.1, r
     # P TP2 -> D TP1 (cores 0|1 and 1): head slices, counted by P's transfer counters: the
     # requests P streamed KV for (at most the 9 sent: 2 + 2 measured, 3 identity, 2 warm-up;
     # 8 in the runs seen) went as a few staged sends per rank each
