@@ -98,6 +98,8 @@ class Backend:
     """Prefill only: the LayerKV endpoint D registers with (discovered or overridden)."""
     kv_override: bool = False
     """True when ``kv_endpoint`` came from the URL's ``#kv=HOST:PORT`` fragment."""
+    discovery_error: str | None = None
+    """Prefill only: why the last discovery of ``kv_endpoint`` failed (None after a success)."""
     discover_lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
 
     def __str__(self) -> str:
@@ -507,7 +509,12 @@ class ProxyApp:
             return backend.kv_endpoint
         async with backend.discover_lock:  # one probe at a time per instance
             if backend.kv_endpoint is None:
-                backend.kv_endpoint = await self._discover(backend)
+                try:
+                    backend.kv_endpoint = await self._discover(backend)
+                except UpstreamError as e:
+                    backend.discovery_error = str(e)
+                    raise
+                backend.discovery_error = None
                 logger.info("%s: LayerKV endpoint %s:%d (discovered)", backend,
                             *backend.kv_endpoint)
             return backend.kv_endpoint
@@ -792,6 +799,10 @@ class ProxyApp:
             entry: dict[str, Any] = {"healthy": ok, "status": detail}
             if b.role == "prefill":
                 entry["layerkv_endpoint"] = ("%s:%d" % b.kv_endpoint) if b.kv_endpoint else None
+                if ok and b.kv_endpoint is None and b.discovery_error is not None:
+                    # up, but requests routed to it would fail: not ready for P/D
+                    ok = False
+                    entry["discovery_error"] = detail = b.discovery_error
             report[b.role][b.url] = entry
             if not ok:
                 failing.append(f"{b} ({detail})")

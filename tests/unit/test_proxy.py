@@ -557,6 +557,32 @@ def test_discovery_without_layerkv_is_a_clear_502() -> None:
             assert h.prefill[0].url in msg
             assert h.prefill[0].requests == [] and h.decode[0].requests == []
             assert h.prefill[0].probes == 2  # start-up, then once more lazily for the request
+            # /health says so too: P is up, but P/D requests through it cannot work
+            async with h.client.get(h.url + "/health") as r:
+                health = await r.json()
+                assert r.status == 503, health
+            assert health["status"] == "unhealthy" and h.prefill[0].url in health["message"]
+            assert "does not run the LayerKV connector" in health["message"]
+            entry = health["prefill"][h.prefill[0].url]
+            assert entry["layerkv_endpoint"] is None and "LayerKV" in entry["discovery_error"]
+
+    run(main())
+
+
+def test_health_recovers_once_discovery_succeeds() -> None:
+    async def main() -> None:
+        async with Harness(kv_endpoints=[None]) as h:
+            await h.proxy.wait_ready()  # start-up discovery failed
+            async with h.client.get(h.url + "/health") as r:
+                assert r.status == 503
+            h.prefill[0].kv_endpoint = "10.0.0.1:7000"  # P now runs LayerKV (restarted)
+            status, out = await h.post("/v1/completions", completion())
+            assert status == 200, out
+            async with h.client.get(h.url + "/health") as r:
+                health = await r.json()
+                assert r.status == 200, health
+            entry = health["prefill"][h.prefill[0].url]
+            assert entry["layerkv_endpoint"] == "10.0.0.1:7000" and "discovery_error" not in entry
 
     run(main())
 

@@ -538,16 +538,19 @@ class HelperProcess:
 
     def wait_ready(self, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
+        last = "never answered"
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise ServerError(f"{self.url} exited with {self.proc.returncode}")
             try:
-                if get_text(self.url + "/health", timeout=5)[0] == 200:
+                status, text = get_text(self.url + "/health", timeout=5)
+                if status == 200:
                     return
+                last = f"HTTP {status}: {text[:1000]}"  # the proxy's 503 names what is wrong
             except OSError:  # not listening yet
                 pass
             time.sleep(0.5)
-        raise ServerError(f"{self.url} not healthy after {timeout:.0f} s")
+        raise ServerError(f"{self.url} not healthy after {timeout:.0f} s; last /health: {last}")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
