@@ -790,6 +790,21 @@ class ProxyApp:
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             raise UpstreamError(d, f"{d} is unreachable: {type(e).__name__}: {e}") from None
 
+    def _rediscover(self, backend: Backend) -> None:
+        """Retry a failed discovery without waiting for it (one attempt at a time)."""
+        if backend.discover_lock.locked():
+            return
+
+        async def attempt() -> None:
+            try:
+                await self.kv_endpoint(backend)
+            except UpstreamError as e:
+                logger.debug("%s: discovery retried from /health: %s", backend, e)
+
+        task = asyncio.create_task(attempt())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     async def handle_health(self, request: web.Request) -> web.StreamResponse:
         backends = self.all_backends()
         results = await asyncio.gather(*(self.check_health(b) for b in backends))
@@ -800,9 +815,12 @@ class ProxyApp:
             if b.role == "prefill":
                 entry["layerkv_endpoint"] = ("%s:%d" % b.kv_endpoint) if b.kv_endpoint else None
                 if ok and b.kv_endpoint is None and b.discovery_error is not None:
-                    # up, but requests routed to it would fail: not ready for P/D
+                    # up, but requests routed to it would fail: not ready for P/D. Try again
+                    # in the background, so that a client polling /health before sending any
+                    # request sees the proxy become ready once P can answer.
                     ok = False
                     entry["discovery_error"] = detail = b.discovery_error
+                    self._rediscover(b)
             report[b.role][b.url] = entry
             if not ok:
                 failing.append(f"{b} ({detail})")

@@ -569,6 +569,24 @@ def test_discovery_without_layerkv_is_a_clear_502() -> None:
     run(main())
 
 
+def test_health_polling_alone_retries_a_failed_discovery() -> None:
+    async def main() -> None:
+        async with Harness(kv_endpoints=[None]) as h:
+            await h.proxy.wait_ready()  # start-up discovery failed
+            h.prefill[0].kv_endpoint = "10.0.0.1:7000"  # P now answers as LayerKV
+            statuses = []
+            for _ in range(50):  # a start-up script polling /health, sending no request
+                async with h.client.get(h.url + "/health") as r:
+                    statuses.append(r.status)
+                if r.status == 200:
+                    break
+                await asyncio.sleep(0.02)
+            assert statuses[0] == 503 and statuses[-1] == 200, statuses
+            assert h.prefill[0].requests == []  # only discovery probes reached P
+
+    run(main())
+
+
 def test_health_recovers_once_discovery_succeeds() -> None:
     async def main() -> None:
         async with Harness(kv_endpoints=[None]) as h:
