@@ -1,0 +1,85 @@
+"""benchmarks/profile_trace.py: the TTFT breakdown from P, D, scheduler and proxy traces, on
+hand-written traces with known times."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("profile_trace",
+                                               ROOT / "benchmarks" / "profile_trace.py")
+assert _spec is not None and _spec.loader is not None
+profile_trace = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(profile_trace)
+
+TID = "t1"
+REQ = "cmpl-t1-0"
+
+
+def write(path: Path, events: list[dict]) -> None:
+    path.write_text("".join(json.dumps(e) + "\n" for e in events))
+
+
+def traces(tmp_path: Path, schedulers: bool) -> Path:
+    """One request, 4,096 tokens in one chunk of two layer groups; times in seconds."""
+    write(tmp_path / "trace.proxy.0", [
+        {"ev": "proxy_in", "transfer_id": TID, "t": 10.000},
+        {"ev": "proxy_d_first", "transfer_id": TID, "t": 10.150},
+        {"ev": "proxy_out", "transfer_id": TID, "t": 10.200},
+    ])
+    write(tmp_path / "trace.p.0", [
+        {"ev": "step_plan", "step": 3, "groups": 2, "tokens": 4096, "tasks": 1,
+         "transfer_ids": [TID], "final": [TID], "t": 10.020},
+        {"ev": "group_send_start", "step": 3, "group": 0, "layers": 16, "t": 10.060},
+        {"ev": "group_send_end", "step": 3, "group": 0, "seconds": 0.002, "t": 10.062},
+        {"ev": "group_send_start", "step": 3, "group": 1, "layers": 16, "t": 10.100},
+        {"ev": "group_send_end", "step": 3, "group": 1, "seconds": 0.003, "t": 10.103},
+        {"ev": "transfer_done_sent", "transfer_id": TID, "t": 10.1035},
+    ])
+    write(tmp_path / "trace.d.0", [
+        {"ev": "recv_expected", "transfer_id": TID, "t": 10.012},
+        {"ev": "recv_closed", "transfer_id": TID, "req_id": REQ, "outcome": "ok",
+         "nbytes": 1 << 29, "t": 10.104},
+        {"ev": "recv_reported", "req_ids": [REQ], "t": 10.105},
+        {"ev": "d_step_bound", "req_ids": [REQ], "t": 10.112},
+        {"ev": "d_step_launched", "req_ids": [REQ], "t": 10.114},
+    ])
+    if schedulers:
+        write(tmp_path / "trace.psched.0", [
+            {"ev": "p_seen", "transfer_id": TID, "t": 10.010},
+            {"ev": "reg_arrived", "transfer_id": TID, "t": 10.013},
+            {"ev": "p_admitted", "transfer_id": TID, "t": 10.015},
+        ])
+        write(tmp_path / "trace.dsched.0", [
+            {"ev": "recv_seen", "req_ids": [REQ], "t": 10.107},
+            {"ev": "d_scheduled", "req_ids": [REQ], "t": 10.109},
+        ])
+    return tmp_path
+
+
+def test_segments_and_parts_add_up(tmp_path: Path) -> None:
+    [row] = profile_trace.request_breakdowns(traces(tmp_path, schedulers=True))
+    expected = {"start_delay": 20.0, "prefill": 80.0, "last_copy": 3.0, "done_msg": 1.0,
+                "report": 1.0, "d_first": 45.0, "total": 150.0,
+                "p_intake": 10.0, "reg_wait": 5.0, "p_plan": 5.0,
+                "d_seen": 2.0, "d_sched": 2.0, "d_bind": 3.0, "d_forward": 2.0, "d_out": 36.0}
+    for key, ms in expected.items():
+        assert row[key] == pytest.approx(ms, abs=0.01), key
+    assert row["prompt_tokens_computed"] == 4096 and row["chunks"] == 1
+    medians = profile_trace.medians_by_length([row])
+    table = profile_trace.format_table(medians)
+    assert "reg_wait" in table and "d_out" in table
+
+
+def test_without_scheduler_traces_only_the_segments(tmp_path: Path) -> None:
+    """Traces from before the schedulers traced (or a D rank without them): no parts, and the
+    table keeps its old columns."""
+    [row] = profile_trace.request_breakdowns(traces(tmp_path, schedulers=False))
+    assert row["d_first"] == pytest.approx(45.0, abs=0.01)
+    assert not any(k in row for k in (*profile_trace.P_PARTS, *profile_trace.D_PARTS))
+    table = profile_trace.format_table(profile_trace.medians_by_length([row]))
+    assert "d_first" in table and "reg_wait" not in table and "d_seen" not in table
