@@ -378,12 +378,18 @@ def main() -> int:
                                "model": args.model, "results": {}, "identity": {}}
     prompts = (identity_prompts(args.identity, args.model, args.max_model_len)
                if args.identity else [])
+    if prompts:
+        summary["identity"]["prompts"] = len(prompts)
     ref_path = args.identity_ref or args.out / "identity_single.json"
     reference: list[list[int]] | None = None
     if prompts and "single" not in args.configs and ref_path.exists():
         stored = json.loads(ref_path.read_text())
         if stored["prompts"] == prompts:  # same seed, same model vocabulary
             reference = stored["ids"]
+    def save() -> None:
+        """After every measurement: a run cut by a time limit keeps what it measured."""
+        (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
+
     ok = True
     configs = [parse_config(name) for name in args.configs]  # all names checked up front
     for config in configs:
@@ -392,6 +398,7 @@ def main() -> int:
         t0 = time.monotonic()
         url, servers, procs = start_config(config, args, args.out)
         res: dict[str, Any] = {"start_s": round(time.monotonic() - t0, 1)}
+        summary["results"][name] = res
         try:
             if prompts:
                 ids = greedy_ids(url, prompts, 16)
@@ -406,6 +413,7 @@ def main() -> int:
                     same = sum(a == b for a, b in zip(ids, reference))
                     summary["identity"][f"{name}_vs_single"] = same
                     ok &= same == len(prompts)
+                save()
             warm_up(url, args.model, sorted({min(n, args.max_model_len - 64)
                                              for n in args.prompt_lens}))
             for n in args.prompt_lens:
@@ -413,10 +421,12 @@ def main() -> int:
                           args.num_prompts, 1)
                 res[f"c1_in{n}"] = summarize(r)
                 log(f"{name} in={n}: median TTFT {r['median_ttft_ms']:.1f} ms")
+                save()
             for spec in args.load:
                 c, i, o, k = (int(x) for x in spec.split(":"))
                 r = bench(url, args, args.out, f"{name}_c{c}_in{i}_out{o}", i, o, k, c)
                 res[f"c{c}_in{i}_out{o}"] = summarize(r)
+                save()
                 log(f"{name} load c={c}: mean TTFT {r['mean_ttft_ms']:.1f} ms, "
                     f"mean TPOT {r['mean_tpot_ms']:.2f} ms")
             if config.family in LAYERKV_CONFIGS:
@@ -441,11 +451,7 @@ def main() -> int:
                     (args.out / f"{name}_profile.json").write_text(
                         json.dumps({"medians": medians, "requests": rows}, indent=1))
                     log(f"{name} TTFT profile (median ms):\n" + profile_trace.format_table(medians))
-        summary["results"][name] = res
-        (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
-    if prompts:
-        summary["identity"]["prompts"] = len(prompts)
-    (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
+        save()
     table = []
     for n in args.prompt_lens:
         row = [f"{n:>6}"]
