@@ -236,12 +236,13 @@ def start_config(config: Config, args: argparse.Namespace, out: Path
 def bench(url: str, args: argparse.Namespace, out: Path, tag: str, input_len: int,
           output_len: int, num_prompts: int, concurrency: int) -> dict[str, Any]:
     fname = f"{tag}.json"
-    # A seed per (length, concurrency): with one seed, the random dataset's prompt i of every
-    # length starts with the same tokens, so each length would hit the prefix cache with the
-    # previous length's prompts (a "16K" prompt computing only its last 8K). No ready check:
+    # A seed per (length, concurrency, output length): with one seed, the random dataset's
+    # prompt i of every length starts with the same tokens, so each length would hit the prefix
+    # cache with the previous length's prompts (a "16K" prompt computing only its last 8K); two
+    # load points differing only in output length would share prompts too. No ready check:
     # vLLM's uses prompt 0, which would then be a full prefix-cache hit when measured; the
     # configuration is warmed up with prompts of its own instead (warm_up).
-    seed = concurrency * 1_000_000 + input_len
+    seed = (concurrency * 1_000_000 + input_len) * 10_000 + output_len
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve",
            "--backend", "vllm", "--base-url", url, "--endpoint", "/v1/completions",
            "--model", NAME, "--tokenizer", str(args.tokenizer or args.model),
