@@ -3,18 +3,14 @@ hand-written traces with known times."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("profile_trace",
-                                               ROOT / "benchmarks" / "profile_trace.py")
-assert _spec is not None and _spec.loader is not None
-profile_trace = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(profile_trace)
+from benchmark_scripts import load
+
+profile_trace = load("profile_trace")
 
 TID = "t1"
 REQ = "cmpl-t1-0"

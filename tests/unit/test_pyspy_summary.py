@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("pyspy_summary",
-                                               ROOT / "benchmarks" / "pyspy_summary.py")
-assert _spec is not None and _spec.loader is not None
-pyspy_summary = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(pyspy_summary)
+from benchmark_scripts import load
+
+pyspy_summary = load("pyspy_summary")
 
 BOOT = ("Thread._bootstrap (threading.py:1030);Thread._bootstrap_inner (threading.py:1073);"
         "Thread.run (threading.py:1010);")
