@@ -44,6 +44,7 @@ import signal
 import subprocess
 import sys
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -233,6 +234,12 @@ def start_config(config: Config, args: argparse.Namespace, out: Path
     raise SystemExit(f"unknown configuration {name!r}")
 
 
+def dataset_seed(concurrency: int, input_len: int, output_len: int) -> int:
+    """The random dataset's seed of one benchmark point: its own per point (see bench), and
+    below 2**32, which numpy's legacy seeding in vllm bench serve requires."""
+    return zlib.crc32(f"c{concurrency}:in{input_len}:out{output_len}".encode())
+
+
 def bench(url: str, args: argparse.Namespace, out: Path, tag: str, input_len: int,
           output_len: int, num_prompts: int, concurrency: int) -> dict[str, Any]:
     fname = f"{tag}.json"
@@ -242,7 +249,7 @@ def bench(url: str, args: argparse.Namespace, out: Path, tag: str, input_len: in
     # load points differing only in output length would share prompts too. No ready check:
     # vLLM's uses prompt 0, which would then be a full prefix-cache hit when measured; the
     # configuration is warmed up with prompts of its own instead (warm_up).
-    seed = (concurrency * 1_000_000 + input_len) * 10_000 + output_len
+    seed = dataset_seed(concurrency, input_len, output_len)
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve",
            "--backend", "vllm", "--base-url", url, "--endpoint", "/v1/completions",
            "--model", NAME, "--tokenizer", str(args.tokenizer or args.model),
