@@ -18,6 +18,7 @@ import time
 import torch
 
 from vllm_layerkv.blockio import StagedBlockIO
+from vllm_layerkv.config import LayerKVConfig
 from vllm_layerkv.layout import KVLayout
 from vllm_layerkv.metadata import Peer, RecvTask, SendTask
 from vllm_layerkv.protocol import CompatInfo, Hello
@@ -56,7 +57,7 @@ def run_d(spec: dict) -> None:
     blocks = StagedBlockIO(layout)
     stats = WorkerStats()
     table = RecvTable(compat(spec), tp_rank=0, tp_size=1, unknown_wait_s=5.0, stats=stats)
-    transport = create_transport(spec["transport"], blocks)
+    transport = create_transport(spec["transport"], blocks, LayerKVConfig(**spec.get("config", {})))
     endpoint = transport.start_receiver("127.0.0.1", 0, table, blocks, 30.0)
     for i, t in enumerate(spec["transfers"]):
         table.expect(RecvTask(f"req-{i}", f"tid-{i}", t["dst"]))
@@ -92,7 +93,7 @@ def run_p(spec: dict, endpoint: str) -> None:
     blocks = StagedBlockIO(layout)
     stats = WorkerStats()
     hello = Hello(compat=compat(spec), engine_id="p", tp_rank=0, tp_size=1)
-    transport = create_transport(spec["transport"], blocks)
+    transport = create_transport(spec["transport"], blocks, LayerKVConfig(**spec.get("config", {})))
     sender = Sender(transport, blocks, hello, tp_rank=0, connect_timeout=10.0,
                     io_timeout=30.0, stats=stats, tracer=Tracer("", "p", 0))
     peer = Peer(engine_id="d", tp_size=1, data_endpoints=[endpoint])

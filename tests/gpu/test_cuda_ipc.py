@@ -34,9 +34,11 @@ def gpus() -> tuple[str, str]:
 
 
 def run_pair(transport: str, transfers: list[dict], layers: int = 32, blocks: int = 1024,
-             group: int = 4, env_extra: dict[str, str] | None = None) -> tuple[dict, dict]:
+             group: int = 4, env_extra: dict[str, str] | None = None,
+             config: dict | None = None) -> tuple[dict, dict]:
+    """``config``: LayerKV settings for both sides' transports (e.g. nixl_num_threads)."""
     spec = {"transport": transport, "transfers": transfers, "layers": layers, "blocks": blocks,
-            "block_bytes": BLOCK_BYTES, "group": group}
+            "block_bytes": BLOCK_BYTES, "group": group, "config": config or {}}
     gpu_p, gpu_d = gpus()
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env_extra or {}))
     d = subprocess.Popen([sys.executable, PEER, "d", json.dumps(spec)], stdout=subprocess.PIPE,
@@ -55,8 +57,8 @@ def run_pair(transport: str, transfers: list[dict], layers: int = 32, blocks: in
         d.kill()
     p_res = json.loads(p.stdout.strip().splitlines()[-1])
     d_res = json.loads(d_out.strip().splitlines()[-1])
-    RESULTS.append({"transport": transport, "env": env_extra or {}, "gpus": f"{gpu_p}->{gpu_d}",
-                    "p": p_res, "d": d_res})
+    RESULTS.append({"transport": transport, "env": env_extra or {}, "config": config or {},
+                    "gpus": f"{gpu_p}->{gpu_d}", "p": p_res, "d": d_res})
     out = os.environ.get("LAYERKV_GPU_RESULTS")
     if out:
         Path(out).write_text(json.dumps(RESULTS, indent=1))
@@ -114,6 +116,24 @@ def test_nixl_over_ucx_tcp_byte_exact() -> None:
                             env_extra={"UCX_TLS": "tcp,cuda_copy,self"})
     assert p_res["direct"]
     assert_exact(d_res, 1)
+
+
+def nixl_over_ucx_tcp_2gib(threads: int) -> None:
+    """16K tokens of KV (1,000 blocks x 32 layers = 2 GiB) in 8 layer groups over UCX tcp."""
+    p_res, d_res = run_pair("nixl", [contiguous(1000, 0, 10)],
+                            env_extra={"UCX_TLS": "tcp,cuda_copy,self"},
+                            config={"nixl_num_threads": threads})
+    assert p_res["direct"]
+    assert_exact(d_res, 1)
+
+
+def test_nixl_over_ucx_tcp_one_worker() -> None:
+    nixl_over_ucx_tcp_2gib(0)
+
+
+def test_nixl_over_ucx_tcp_thread_pool() -> None:
+    """NIXL's thread-pool UCX engine (nixl_num_threads=4, NixlConnector's default)."""
+    nixl_over_ucx_tcp_2gib(4)
 
 
 def test_mooncake_tcp_byte_exact() -> None:

@@ -129,14 +129,15 @@ class PSide:
 
 def start_p(transport: str, engine_id: str = "prefill-0", dtype: torch.dtype = torch.uint8,
             seed: int = 1, info: CompatInfo | None = None, tp_size: int = 1,
-            num_blocks: int = NUM_BLOCKS, block_bytes: int = BLOCK_BYTES) -> PSide:
+            num_blocks: int = NUM_BLOCKS, block_bytes: int = BLOCK_BYTES,
+            config: LayerKVConfig | None = None) -> PSide:
     caches = make_caches(None, dtype, seed=seed, num_blocks=num_blocks, block_bytes=block_bytes)
     layout = KVLayout.from_kv_caches(caches, num_blocks)
     stats = WorkerStats()
     hello = Hello(compat=info or compat(block_bytes=block_bytes), engine_id=engine_id,
                   tp_rank=0, tp_size=tp_size)
     blocks = HostBlockIO(layout)
-    sender = Sender(create_transport(transport, blocks), blocks, hello, tp_rank=0,
+    sender = Sender(create_transport(transport, blocks, config), blocks, hello, tp_rank=0,
                     connect_timeout=2.0, io_timeout=5.0, stats=stats, tracer=Tracer("", "p", 0))
     return PSide(sender, layout, stats, engine_id)
 

@@ -204,6 +204,7 @@ def test_transport_error_lists_the_choices() -> None:
     ({"mooncake_protocol": "udp"}, "mooncake_protocol"),
     ({"nixl_backends": ""}, "nixl_backends"),
     ({"nixl_backends": "UCX,,"}, "nixl_backends"),
+    ({"nixl_num_threads": -1}, "nixl_num_threads"),
 ])
 def test_bad_engine_settings_name_the_setting(extra: dict, name: str) -> None:
     with pytest.raises(ConfigError, match=name):

@@ -37,6 +37,7 @@ from kv_sides import (
 )
 
 from vllm_layerkv.blockio import block_runs
+from vllm_layerkv.config import LayerKVConfig
 from vllm_layerkv.metadata import Peer, RecvTask, SendTask
 from vllm_layerkv.sender import AbortTransfer
 from vllm_layerkv.transport import faults
@@ -390,6 +391,24 @@ def test_scattered_blocks_beyond_coalescing(d_side, p_side) -> None:
     push(p, [task("t2", d, src[::-1], dst[::-1], req_id="r2")])
     assert p.wait_state("t2", ["acked", "failed"]).state == "acked"
     assert_copied(p, d, list(zip(src, dst)))
+
+
+def test_nixl_thread_pool_engine_is_byte_exact(d_side, p_side, transport) -> None:
+    """nixl_num_threads > 0 (NIXL's thread-pool UCX engine): coalesced and per-block WRITEs."""
+    if transport != "nixl":
+        pytest.skip("a NIXL setting")
+    d, p = d_side(), p_side(config=LayerKVConfig(nixl_num_threads=4))
+    scattered = list(range(0, 2 * (MAX_COALESCED_RUNS + 8), 2))
+    copied: list[tuple[int, int]] = []
+    for tid, src, dst in [("runs", list(range(0, 20)), list(range(10, 30))),
+                          ("blocks", scattered, [NUM_BLOCKS - 1 - i for i in
+                                                 range(len(scattered))])]:
+        d.table.expect(RecvTask(f"r-{tid}", tid, dst))
+        push(p, [task(tid, d, src, dst, req_id=f"r-{tid}")])
+        assert p.wait_state(tid, ["acked", "failed"]).state == "acked"
+        assert d.drain_until(lambda f, x: bool(f or x)) == ({f"r-{tid}"}, set())
+        copied += zip(src, dst)
+        assert_copied(p, d, copied)
 
 
 def test_many_concurrent_requests_from_three_engines(d_side, p_side) -> None:

@@ -82,7 +82,7 @@ def _make_plane(name: str, blocks: BlockIO, config: LayerKVConfig) -> DirectPlan
 
         nixl_api()  # the install hint before anything else
         return NixlPlane(blocks.tensors, backends=config.nixl_backends.split(","),
-                         io_timeout=config.io_timeout_s)
+                         io_timeout=config.io_timeout_s, num_threads=config.nixl_num_threads)
     if name == "mooncake":
         from vllm_layerkv.transport.mooncake import MooncakePlane
 

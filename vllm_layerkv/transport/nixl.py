@@ -61,10 +61,11 @@ def nixl_api() -> Any:
     return api
 
 
-def _new_agent(name: str, backends: Sequence[str]) -> Any:
+def _new_agent(name: str, backends: Sequence[str], num_threads: int = 0) -> Any:
     """A NIXL agent whose progress thread sleeps on events instead of spinning (see the module
     docstring): the wrapper hard-codes ``pthrDelay = 0``, so its binding is wrapped for the
-    duration of this one construction."""
+    duration of this one construction. ``num_threads`` > 0: that many UCX worker threads share
+    each transfer's descriptors (NIXL's thread-pool UCX engine)."""
     api = nixl_api()
     bind = api.nixlBind
 
@@ -77,7 +78,10 @@ def _new_agent(name: str, backends: Sequence[str]) -> Any:
             config.pthrDelay = PROGRESS_DELAY_US
             return bind.nixlAgent(agent_name, config)
 
-    config = api.nixl_agent_config(enable_prog_thread=True, backends=list(backends))
+    # like NixlConnector: the thread count is a UCX engine setting, other backends get none
+    ucx_only = [b.strip() for b in backends] == ["UCX"]
+    config = api.nixl_agent_config(enable_prog_thread=True, backends=list(backends),
+                                   num_threads=num_threads if ucx_only else 0)
     with _agent_lock:
         api.nixlBind = _Bind()
         try:
@@ -212,10 +216,10 @@ class NixlPlane(DirectPlane):
     name = "nixl"
 
     def __init__(self, local: Sequence[torch.Tensor], backends: Sequence[str] = ("UCX",),
-                 io_timeout: float = 60.0):
+                 io_timeout: float = 60.0, num_threads: int = 0):
         super().__init__(local)
         self._io_timeout = io_timeout
-        self._agent = _new_agent(f"layerkv-{uuid.uuid4().hex[:12]}", backends)
+        self._agent = _new_agent(f"layerkv-{uuid.uuid4().hex[:12]}", backends, num_threads)
         self._mem, self._dev = _mem(self.local)
         regions = [(addr, size, self._dev, "") for addr, size in memory_regions(self.local)]
         try:
