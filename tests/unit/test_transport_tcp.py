@@ -165,10 +165,13 @@ def test_close_waits_for_a_write_in_progress(d_side) -> None:
 def test_waiting_for_data_works_on_descriptors_above_1024() -> None:
     """vLLM processes hold many descriptors; select() fails on any >= 1024 (seen in CI-like
     runs with Mooncake engines alive), poll() does not."""
-    import os
+    import fcntl
 
     a, b = socket.socketpair()
-    high = socket.socket(fileno=os.dup2(a.fileno(), 1500))
+    # the lowest free descriptor >= 1500: dup2 onto a fixed number would close whatever another
+    # thread (NIXL's, UCX's) holds there, or fail with EBUSY while it is being opened
+    high = socket.socket(fileno=fcntl.fcntl(a.fileno(), fcntl.F_DUPFD, 1500))
+    assert high.fileno() >= 1500
     try:
         assert not framing.wait_readable(high, 0.05)
         b.sendall(b"x")
