@@ -64,8 +64,8 @@ def nixl_api() -> Any:
 def _new_agent(name: str, backends: Sequence[str], num_threads: int = 0) -> Any:
     """A NIXL agent whose progress thread sleeps on events instead of spinning (see the module
     docstring): the wrapper hard-codes ``pthrDelay = 0``, so its binding is wrapped for the
-    duration of this one construction. ``num_threads`` > 0: that many UCX worker threads share
-    each transfer's descriptors (NIXL's thread-pool UCX engine)."""
+    duration of this one construction. ``num_threads`` > 0: NIXL's thread-pool UCX engine, which
+    splits a transfer among that many worker threads once it has enough descriptors."""
     api = nixl_api()
     bind = api.nixlBind
 
