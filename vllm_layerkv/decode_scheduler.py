@@ -122,6 +122,7 @@ class DecodeScheduler:
         """The request ended; if it still waits for KV (aborted), stop the transfer."""
         self._local_hits.pop(req_id, None)
         self._admitted.discard(req_id)
+        self._received.discard(req_id)  # tracing: received, then aborted before it ran
         w = self._waiting.get(req_id)
         if w is not None and not w.closed:
             w.closed = True
