@@ -110,10 +110,10 @@ class LayerKVConfig:
     """P: staging buffers per worker, allocated on first use and reused; a sender that finds
     none free waits (up to io_timeout_s), never overwriting data not yet sent."""
     recv_ring_slots: int = 4
-    """D: receive-ring slots per worker for direct planes (CUDA IPC) with mismatched TP,
-    allocated when the first such prefill rank connects. P writes into a slot D granted and
-    D scatters it into its KV blocks before reusing it; when all slots are busy D delays its
-    grant (back-pressure)."""
+    """D: receive-ring slots per worker for direct planes (CUDA IPC, NIXL, Mooncake) with
+    mismatched TP, allocated when the first such prefill rank connects. P writes into a slot
+    D granted and D scatters it into its KV blocks before reusing it; when all slots are busy
+    D delays its grant (back-pressure)."""
 
     # --- engine loop ---------------------------------------------------------------------
     idle_backoff: str = "auto"

@@ -29,7 +29,7 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 FRAME_HEADER = struct.Struct("!I")
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
@@ -184,6 +184,12 @@ class NixlExport(msgspec.Struct, tag="nixl", kw_only=True):
     num_blocks: int
     block_bytes: int
     layer_addrs: list[int]
+    ring_addr: int = 0
+    """D's receive ring for head slices, registered with the agent (offered to a sender with
+    another TP size; ``agent_metadata`` then covers it): slot ``s`` is at ``ring_addr + s *
+    ring_slot_bytes``."""
+    ring_slots: int = 0
+    ring_slot_bytes: int = 0
 
 
 class MooncakeExport(msgspec.Struct, tag="mooncake", kw_only=True):
@@ -195,6 +201,10 @@ class MooncakeExport(msgspec.Struct, tag="mooncake", kw_only=True):
     num_blocks: int
     block_bytes: int
     layer_addrs: list[int]
+    ring_addr: int = 0
+    """D's receive ring for head slices, registered with the engine (as in ``NixlExport``)."""
+    ring_slots: int = 0
+    ring_slot_bytes: int = 0
 
 
 DirectExport = Union[KVExport, NixlExport, MooncakeExport]

@@ -2,7 +2,13 @@
 `vllm serve` processes: P TP=2 -> D TP=1 and P TP=1 -> D TP=2, each through the project's proxy.
 Greedy outputs (float32) must be token-identical to a single TP=1 instance without a connector,
 the KV must have gone through the head-slice path (``tp.py`` routes, ``staging.py`` gather /
-scatter, sliced ``BlockData`` over TCP) and nothing may stay allocated afterwards.
+scatter) over the layout's transport, and nothing may stay allocated afterwards.
+
+Transports: ``p2-d1`` runs the default, ``auto``, which on a machine with NIXL installed (CI's
+set-up installs it) writes the slices into D's receive ring with NIXL WRITEs; ``p1-d2`` forces
+``tcp`` (sliced ``BlockData`` bytes); ``p1-d2-mooncake`` forces Mooncake (ring writes through the
+TransferEngine, one per D rank). Every transport runs both directions in the unit tests
+(``tests/unit/test_tp_transfer.py``); one direction each here keeps CI's time in bounds.
 
 Model: the tiny random llama (``.models/tiny-llama``: 8 layers, 4 query heads, 2 KV heads), so
 TP=2 splits the KV heads 1 + 1 and every transfer slices heads out of (or into) the TP=1 side's
@@ -35,7 +41,14 @@ import pytest
 
 from prompts import PROMPTS
 
-from vllm_layerkv.testing.cluster import MODEL_NAME, ClusterSpec, PDCluster, metric, wait_idle
+from vllm_layerkv.testing.cluster import (
+    MODEL_NAME,
+    ClusterSpec,
+    PDCluster,
+    metric,
+    transports_used,
+    wait_idle,
+)
 from vllm_layerkv.testing.models import model_path
 from vllm_layerkv.testing.servers import post_json
 
@@ -44,7 +57,8 @@ MAX_TOKENS = 20
 CHUNK = 256
 # tiny-llama tokens: ~11, ~77, ~330 (2 chunks), ~740 (3 chunks), ~1,390 (6 chunks)
 SAMPLE = [PROMPTS[i] for i in (1, 5, 9, 13, 17)]
-LAYOUTS = {"p2-d1": (2, 1), "p1-d2": (1, 2)}
+LAYOUTS = {"p2-d1": (2, 1, "auto"), "p1-d2": (1, 2, "tcp"), "p1-d2-mooncake": (1, 2, "mooncake")}
+"""name -> (prefill TP, decode TP, transport)."""
 _EXPECTED: list[list[int]] = []
 """The reference's token ids per SAMPLE prompt, taken by the first cluster of the module."""
 
@@ -54,6 +68,7 @@ class TPCluster:
     name: str
     p_tp: int
     d_tp: int
+    transport: str
     pd: PDCluster
     outputs: list[dict[str, Any]] | None = None
     """The proxy's answers to SAMPLE, once the identity test ran."""
@@ -79,7 +94,7 @@ def _token_ids(resp: dict[str, Any]) -> list[int]:
 def tp_cluster(request: pytest.FixtureRequest,
                tmp_path_factory: pytest.TempPathFactory) -> Iterator[TPCluster]:
     name = request.param
-    p_tp, d_tp = LAYOUTS[name]
+    p_tp, d_tp, transport = LAYOUTS[name]
     base = os.environ.get("LAYERKV_E2E_DIR")
     workdir = Path(base) / f"tp-{name}" if base else tmp_path_factory.mktemp(f"tp-{name}")
     spec = ClusterSpec(
@@ -87,8 +102,9 @@ def tp_cluster(request: pytest.FixtureRequest,
         max_model_len=2048,
         prefill_args=_tp_args(p_tp), decode_args=_tp_args(d_tp),
         prefill_cpus="0|1" if p_tp == 2 else "0", decode_cpus="0|1" if d_tp == 2 else "1",
+        prefill_extra={"transport": transport},
         # D traces too: its per-rank "recv_closed" events show each decode rank got its KV
-        decode_extra={"trace_path": str(workdir / "trace")},
+        decode_extra={"trace_path": str(workdir / "trace"), "transport": transport},
         with_reference=not _EXPECTED)
     with PDCluster(spec) as pd:  # stops every process, whatever happens in the tests
         # shown with -s: start-up time and memory of each server (a TP=2 one is the largest)
@@ -100,7 +116,7 @@ def tp_cluster(request: pytest.FixtureRequest,
                 refs = list(pool.map(lambda p: _complete(pd.reference.url, p), SAMPLE))
             _EXPECTED[:] = [_token_ids(r) for r in refs]
             pd.reference.stop()  # frees its memory for the P/D pairs; stop() is idempotent
-        yield TPCluster(name, p_tp, d_tp, pd)
+        yield TPCluster(name, p_tp, d_tp, transport, pd)
 
 
 def test_outputs_token_identical_to_single_instance(tp_cluster: TPCluster) -> None:
@@ -135,6 +151,16 @@ def test_kv_went_through_head_slices(tp_cluster: TPCluster) -> None:
     slicing = p_log.count("staging buffers for head slices")  # once per rank, on first use
     assert slicing == tp_cluster.p_tp, f"{slicing} of {tp_cluster.p_tp} prefill ranks sliced"
     assert "refusing" not in p_log + d_log and "cannot get its KV" not in d_log
+    # the path the slices took: bytes on the connection, or an engine's ring writes
+    rings = d_log.count("receive ring for head slices")  # once per D rank, on first need
+    used = transports_used(p_log)
+    if tp_cluster.transport == "tcp":
+        assert used == "tcp" and rings == 0, (used, rings)
+    else:
+        engine = "nixl" if tp_cluster.transport == "auto" else tp_cluster.transport
+        assert used == engine, f"{tp_cluster.name}: prefill used {used}, expected {engine}"
+        assert rings == tp_cluster.d_tp and "cannot register the receive ring" not in d_log, \
+            f"{tp_cluster.name}: {rings} of {tp_cluster.d_tp} decode ranks made a ring"
 
     for rank in range(tp_cluster.d_tp):
         closed = [e for e in pd.trace_events("d", rank) if e["ev"] == "recv_closed"]

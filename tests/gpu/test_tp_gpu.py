@@ -1,7 +1,8 @@
 """Prefill TP != decode TP on GPUs, one process per rank (as vLLM runs them): gather into
-staging buffers on P's GPU -> CUDA IPC into D's receive ring (or bytes over TCP) -> scatter
-into D's blocks, every byte of every D rank checked (tp_peer.py). Skipped without CUDA (CI);
-on the lent machines run as a script (the GPU image has no pytest).
+staging buffers on P's GPU -> CUDA IPC, NIXL or Mooncake into D's receive ring (or bytes over
+TCP) -> scatter into D's blocks, every byte of every D rank checked (tp_peer.py). Skipped
+without CUDA (CI); on the lent machines run as a script (the GPU image has no pytest). The
+NIXL and Mooncake cases need those engines (GPU kit parts p3 / p4) and are skipped without.
 
 Ranks go round-robin over the visible GPUs, D starting on the last one, so with two GPUs P TP2
 -> D TP1 puts P rank 1 and D on one GPU and P rank 0 on the other: both same-device and
@@ -113,6 +114,40 @@ def test_tcp_gathers_on_the_gpu_and_sends_bytes() -> None:
     assert [p["ops"] for p in p_res] == [8, 8]
 
 
+def _engine(module: str) -> None:
+    """Skip (pytest) or raise a skip marker (script) when an optional engine is missing."""
+    try:
+        __import__(module)
+    except ImportError as e:
+        if pytest is not None:
+            pytest.skip(f"{module} is not installed ({e})")
+        raise Skipped(f"{module} is not installed ({e})") from None
+
+
+class Skipped(Exception):
+    """A case the script run skips (its engine is not installed)."""
+
+
+def test_p_tp2_to_d_tp1_through_a_nixl_ring() -> None:
+    """Forced NIXL (UCX picks CUDA IPC or copies between the GPUs): D registers its ring with
+    its agent, each P rank its staging buffers, one WRITE per group of 4 layers."""
+    _engine("nixl")
+    p_res, d_res = run_ranks("nixl", heads=8, p_tp=2, d_tp=1)
+    assert all(p["ring"] and p["transport"] == "tcp+nixl" for p in p_res), p_res
+    assert_exact(p_res, d_res)
+    assert [p["ops"] for p in p_res] == [8, 8]
+
+
+def test_p_tp1_to_d_tp2_through_a_mooncake_ring() -> None:
+    """Forced Mooncake (tcp protocol; GPU memory): each D rank registers a ring with its
+    engine, P writes one gathered slice per (group, decode rank)."""
+    _engine("mooncake.engine")
+    p_res, d_res = run_ranks("mooncake", heads=8, p_tp=1, d_tp=2)
+    assert p_res[0]["ring"] and p_res[0]["transport"] == "tcp+mooncake", p_res
+    assert_exact(p_res, d_res)
+    assert p_res[0]["ops"] == 2 * 8
+
+
 def test_staging_cuts_transfer_operations_at_least_tenfold() -> None:
     """The same 64 blocks with and without staging: one write per group vs per (layer, block)."""
     staged, d1 = run_ranks("auto", heads=8, p_tp=2, d_tp=1, n=64)
@@ -164,6 +199,8 @@ if __name__ == "__main__":
                 else:
                     fn()
                 print("PASSED", name, flush=True)
+            except Skipped as e:
+                print("SKIPPED", name, e, flush=True)
             except Exception as e:  # noqa: BLE001 - report every case
                 failed += 1
                 print("FAILED", name, repr(e)[:2000], flush=True)

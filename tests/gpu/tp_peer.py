@@ -142,7 +142,9 @@ def run_p(rank: int, spec: dict, endpoints: list[str]) -> None:
     print(json.dumps({"rank": rank, "state": state or "timeout", "seconds": seconds,
                       "ops": out.frames, "nbytes": out.nbytes,
                       "transport": transport.name,
-                      "direct": bool(channels) and all(c.direct for c in channels)}),
+                      "direct": bool(channels) and all(c.direct for c in channels),
+                      "ring": bool(channels) and all(
+                          getattr(c._writer, "ring_slots", 0) > 0 for c in channels)}),
           flush=True)
     sender.shutdown()
     transport.shutdown()

@@ -4,11 +4,16 @@ transport receiver over its poisoned share) through gather -> transfer -> scatte
 element of every D rank is checked against the model's KV split the way D's TP splits it.
 
 Both directions, GQA replication (more ranks than KV heads), chunked sends, every transport
-that runs on CPU (NIXL and Mooncake carry head slices as bytes on the data connection), and the
-transfer-operation count with and without staging."""
+that runs on CPU (TCP carries slices as bytes; NIXL and Mooncake write them into D's receive
+ring, which D scatters), receive-ring back-pressure, and the transfer-operation count with and
+without staging.
+
+NIXL and Mooncake are optional dependencies that the test set-up installs; as in the
+conformance suite, LAYERKV_TEST_TRANSPORTS names the transports to run when one is missing."""
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -28,8 +33,10 @@ from vllm_layerkv.stats import WorkerStats
 from vllm_layerkv.trace import Tracer
 from vllm_layerkv.transport import create_transport
 
-LAYERS, BLOCKS, BLOCK_SIZE, HEAD_DIM = 4, 32, 16, 8  # float32: 1 KiB per head per block
+LAYERS, BLOCKS, BLOCK_SIZE, HEAD_DIM = 4, 32, 16, 8  # float32: 512 B per head per block
 GROUPS = ((0, 1), (2, 3))
+TRANSPORTS = os.environ.get("LAYERKV_TEST_TRANSPORTS", "tcp,nixl,mooncake").split(",")
+RING_ENGINES = [t for t in ("nixl", "mooncake") if t in TRANSPORTS]
 
 
 def global_kv(heads: int, seed: int) -> list[torch.Tensor]:
@@ -75,10 +82,11 @@ class Cluster:
     """``p_tp`` prefill ranks and ``d_tp`` decode ranks of one model with ``heads`` KV heads."""
 
     def __init__(self, transport: str, heads: int, p_tp: int, d_tp: int,
-                 tp_staging: bool = True, staging_bytes: int = 1 << 20):
+                 tp_staging: bool = True, staging_bytes: int = 1 << 20, ring_slots: int = 4):
         self.heads, self.p_tp, self.d_tp = heads, p_tp, d_tp
         self.kv = global_kv(heads, seed=heads * 100 + p_tp * 10 + d_tp)
-        config = LayerKVConfig(io_timeout_s=5.0)
+        config = LayerKVConfig(io_timeout_s=5.0, staging_buffer_mb=max(1, staging_bytes >> 20),
+                               recv_ring_slots=ring_slots)
         self.d: list[DRank] = []
         for r in range(d_tp):
             caches = rank_caches(self.kv, r, d_tp, heads, fill=SENTINEL)
@@ -162,6 +170,11 @@ class Cluster:
         """Transfer operations (frames / direct writes) all P ranks issued."""
         return sum(p.stats.take().data["groups_sent"] for p in self.p)
 
+    def ring_writers(self) -> int:
+        """P's open channels that write head slices into a decode receive ring."""
+        return sum(getattr(getattr(ch, "_writer", None), "ring_slots", 0) > 0
+                   for p in self.p for ch in p.sender._channels.values())
+
     def close(self) -> None:
         for p in self.p:
             p.sender.shutdown()
@@ -194,32 +207,75 @@ def cluster():
         c.close()
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("heads, p_tp, d_tp", LAYOUTS)
-def test_slices_land_in_every_decode_rank(cluster, heads, p_tp, d_tp) -> None:
-    c = cluster("tcp", heads, p_tp, d_tp)
+def test_slices_land_in_every_decode_rank(cluster, transport, heads, p_tp, d_tp) -> None:
+    c = cluster(transport, heads, p_tp, d_tp)
     src, dst = [3, 4, 5, 9, 20], [7, 8, 9, 1, 30]
     c.expect("t1", dst)
     c.send("t1", src[:3], dst[:3], final=False)  # chunk 1
     c.send("t1", src[3:], dst[3:], final=True)   # chunk 2
     c.wait_done("t1")
     c.check(list(zip(src, dst)))
+    if transport != "tcp":  # the engine wrote the slices (equal TP: whole blocks, no ring)
+        sliced = p_tp != d_tp
+        assert (c.ring_writers() > 0) == sliced
+        assert all(d.transport._ring is not None for d in c.d) == sliced
 
 
-def test_auto_with_a_network_engine_carries_slices_as_bytes(cluster) -> None:
-    """On CPU, auto picks NIXL (else Mooncake) when installed; neither writes head slices yet,
-    so they go as bytes on the data connection, and the data is exact."""
+@pytest.mark.parametrize("transport", RING_ENGINES)
+def test_a_forced_network_engine_writes_slices_into_the_receive_ring(cluster, transport
+                                                                     ) -> None:
+    """transport=nixl / mooncake with different TP: every channel writes into D's ring (no
+    byte fallback is allowed), one transfer per (group, route), and the data is exact."""
+    c = cluster(transport, 4, 2, 1)
+    src, dst = list(range(12)), list(range(31, 19, -1))
+    c.expect("t1", dst)
+    c.send("t1", src, dst, final=True)
+    c.wait_done("t1")
+    c.check(list(zip(src, dst)))
+    assert c.ring_writers() == 2  # both P ranks, to the one D rank
+    assert c.ops() == 2 * len(GROUPS)
+
+
+def test_auto_prefers_a_network_engine_ring_over_bytes(cluster) -> None:
+    """On CPU, auto picks NIXL (else Mooncake) when installed, and head slices go into D's
+    receive ring through it; with neither installed they go as bytes. Either way, exact."""
     c = cluster("auto", 4, 2, 4)
     src, dst = list(range(10)), list(range(20, 30))
     c.expect("t1", dst)
     c.send("t1", src, dst, final=True)
     c.wait_done("t1")
     c.check(list(zip(src, dst)))
+    assert (c.ring_writers() > 0) == bool(RING_ENGINES)
 
 
-@pytest.mark.parametrize("transport", ["nixl", "mooncake"])
-def test_a_forced_network_engine_fails_head_slices_saying_what_to_use(cluster, transport,
-                                                                      caplog) -> None:
-    pytest.importorskip({"nixl": "nixl", "mooncake": "mooncake.engine"}[transport])
+@pytest.mark.parametrize("transport", RING_ENGINES)
+def test_a_full_receive_ring_delays_grants_and_loses_nothing(cluster, transport) -> None:
+    """One ring slot on D, two P ranks and many staging-buffer-sized pieces: grants wait for
+    the slot to be scattered and freed (back-pressure), and every element still lands."""
+    # 4 heads, P TP2 -> D TP1: 1 KiB per block slice; an 8 KiB buffer holds 8 blocks, so each
+    # group (2 layers x 32 blocks) goes as 8 writes per P rank, all through one slot
+    c = cluster(transport, 4, 2, 1, staging_bytes=8 << 10, ring_slots=1)
+    src, dst = list(range(BLOCKS)), list(range(BLOCKS))[::-1]
+    c.expect("t", dst)
+    c.send("t", src, dst, final=True)
+    c.wait_done("t")
+    c.check(list(zip(src, dst)))
+    assert c.ops() == 2 * len(GROUPS) * 8
+    ring = c.d[0].transport._ring
+    assert ring is not None and ring.slots == 1 and ring.waits > 0
+
+
+@pytest.mark.parametrize("transport", RING_ENGINES)
+def test_a_forced_network_engine_without_a_decode_ring_fails_saying_what_to_use(
+        cluster, transport, monkeypatch) -> None:
+    """A decode that offers no receive ring (e.g. it could not register one): forced
+    transports may not fall back to bytes, so the transfer fails at once, saying what to use,
+    and D is told rather than left waiting."""
+    from vllm_layerkv.transport.tcp import TcpTransport
+
+    monkeypatch.setattr(TcpTransport, "_ring_for", lambda self, blocks: None)
     c = cluster(transport, 4, 2, 1)
     c.expect("t1", [1, 2])
     c.send("t1", [1, 2], [1, 2], final=True)
@@ -230,6 +286,7 @@ def test_a_forced_network_engine_fails_head_slices_saying_what_to_use(cluster, t
     for p in c.p:
         out = p.sender.state.transfers["t1"]
         assert out.state == "failed" and "use transport=auto or tcp" in out.reason, out.reason
+        assert "offered no receive ring" in out.reason, out.reason
     _, failed = c.d[0].table.drain()
     assert failed == {"req-t1"}  # D was told at once, not left waiting
     c.check([])

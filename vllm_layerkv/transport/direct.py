@@ -11,6 +11,10 @@ rest, so completion, ordering and failure semantics are the transport's, not the
    ``write`` between D's ``WriteGrant`` and P's ``DirectWritten``, so D's bookkeeping guards
    its blocks exactly as for bytes it receives.
 
+When P and D use different TP, D also offers its receive ring (``staging.RecvRing``) in the
+export, and P's ``write_staged`` gathers a head slice into a staging buffer and writes it into
+the ring slot D granted; D scatters the slot into its blocks when P reports the write.
+
 Planes: ``cuda_ipc.py`` (same host, KV on CUDA), ``nixl.py`` (NIXL agents: UCX, libfabric...),
 ``mooncake.py`` (Mooncake TransferEngine, tcp or rdma).
 """
@@ -25,7 +29,7 @@ from functools import lru_cache
 import torch
 
 from vllm_layerkv.protocol import DirectExport, Hello
-from vllm_layerkv.staging import RecvRing
+from vllm_layerkv.staging import RecvRing, StagingError, gather
 
 
 class DirectUnavailable(RuntimeError):
@@ -85,8 +89,8 @@ def check_geometry(plane: str, num_layers: int, block_bytes: int, local: Sequenc
     """The peer's KV must have this worker's layer count and block size (the Hello check
     already compared the models; this guards the addresses the plane computes)."""
     if num_layers != len(local) or block_bytes != local[0].shape[1]:
-        hint = ("; prefill and decode TP differ, and this engine cannot write head slices"
-                if num_layers == len(local) else "")
+        hint = ("; prefill and decode TP differ, and decode offered no receive ring for head "
+                "slices" if num_layers == len(local) else "")
         raise DirectUnavailable(
             f"{plane}: decode exported {num_layers} layers x {block_bytes} B blocks, this "
             f"worker has {len(local)} x {local[0].shape[1]} B{hint}")
@@ -127,20 +131,38 @@ class PeerWriter(ABC):
 
 class AddressedPeer(PeerWriter):
     """A peer reached by address (NIXL, Mooncake): D's export names each layer's base address,
-    so block ``b`` of layer ``l`` is at ``layer_addrs[l] + b * block_bytes`` on either side. The
-    subclass moves the runs; this class checks the request and pairs the blocks into runs."""
+    so block ``b`` of layer ``l`` is at ``layer_addrs[l] + b * block_bytes`` on either side, and
+    (different TP) its receive ring's, so slot ``s`` is at ``ring_addr + s * ring_slot_bytes``.
+    The subclass moves bytes; this class checks the request, pairs blocks into runs and gathers
+    head slices."""
 
     def __init__(self, plane: str, layer_addrs: Sequence[int], num_blocks: int,
-                 block_bytes: int, local: Sequence[torch.Tensor]):
-        check_geometry(plane, len(layer_addrs), block_bytes, local)
+                 block_bytes: int, local: Sequence[torch.Tensor], ring_addr: int = 0,
+                 ring_slots: int = 0, ring_slot_bytes: int = 0):
+        if ring_slots and block_bytes != local[0].shape[1]:
+            # TP differs: only head slices go, through the ring; the layer count must match
+            check_geometry(plane, len(layer_addrs), local[0].shape[1], local)
+        else:
+            check_geometry(plane, len(layer_addrs), block_bytes, local)
+        self.local = list(local)
         self.remote_addrs = list(layer_addrs)
         self.remote_blocks = num_blocks
         self.local_addrs = [t.data_ptr() for t in local]
         self.local_blocks = local[0].shape[0]
         self.block_bytes = block_bytes
+        self.ring_addr = ring_addr
+        self.ring_slots = ring_slots
+        self.ring_slot_bytes = ring_slot_bytes
+        device = local[0].device
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        """Where head slices are gathered on a GPU (off vLLM's streams)."""
 
     def write(self, layers: Sequence[int], src_blocks: Sequence[int],
               dst_blocks: Sequence[int]) -> int:
+        if self.block_bytes != self.local[0].shape[1]:
+            raise DirectWriteFailed(f"whole blocks between ranks of different block sizes "
+                                    f"({self.local[0].shape[1]} B here, {self.block_bytes} B "
+                                    "on decode)")
         check_blocks(src_blocks, self.local_blocks)
         check_blocks(dst_blocks, self.remote_blocks)
         if not layers or not src_blocks:
@@ -148,11 +170,44 @@ class AddressedPeer(PeerWriter):
         self.write_runs(layers, paired_runs(src_blocks, dst_blocks), src_blocks, dst_blocks)
         return len(layers) * len(src_blocks) * self.block_bytes
 
+    def write_staged(self, local_heads: int, layers: Sequence[int], src_blocks: Sequence[int],
+                     src_head: int, num_heads: int, staging: torch.Tensor, slot: int) -> int:
+        """Gather the head slices into ``staging`` (on the KV's device), then one write of
+        the filled prefix into ring slot ``slot``."""
+        if not 0 <= slot < self.ring_slots:
+            raise DirectWriteFailed(f"decode granted receive-ring slot {slot}, but offered "
+                                    f"{self.ring_slots} slots")
+        check_blocks(src_blocks, self.local_blocks)
+        try:
+            if self._stream is not None:
+                with torch.cuda.stream(self._stream):
+                    payload = gather(self.local, layers, src_blocks, src_head, num_heads,
+                                     local_heads, staging)
+                self._stream.synchronize()  # the engine reads the buffer from now on
+            else:
+                payload = gather(self.local, layers, src_blocks, src_head, num_heads,
+                                 local_heads, staging)
+        except (RuntimeError, StagingError) as e:
+            raise DirectWriteFailed(f"gathering head slices failed: {e}") from None
+        n = payload.numel()
+        if n > self.ring_slot_bytes:
+            raise DirectWriteFailed(f"{n} B of head slices exceed decode's "
+                                    f"{self.ring_slot_bytes} B ring slot")
+        if n:
+            self.write_span(staging, n, self.ring_addr + slot * self.ring_slot_bytes)
+        return n
+
     @abstractmethod
     def write_runs(self, layers: Sequence[int], runs: list[tuple[int, int, int]],
                    src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> None:
         """Move ``runs`` (src_start, dst_start, length) of every layer in ``layers`` and return
         once they are in the peer's memory (raise DirectWriteFailed otherwise)."""
+
+    @abstractmethod
+    def write_span(self, buffer: torch.Tensor, nbytes: int, remote_addr: int) -> None:
+        """Move the first ``nbytes`` of ``buffer`` (a staging buffer, reused across calls:
+        register it once) to ``remote_addr`` in the peer's ring and return once they are
+        there (raise DirectWriteFailed otherwise)."""
 
 
 def layer_geometry(local: Sequence[torch.Tensor]) -> dict[str, object]:
@@ -166,6 +221,8 @@ class DirectPlane(ABC):
     """One worker's direct-write mechanism, both halves."""
 
     name: str
+    carries_slices: bool = True
+    """D can offer its receive ring through this plane (different TP: head slices)."""
 
     def __init__(self, local: Sequence[torch.Tensor]):
         self.local = list(local)

@@ -9,14 +9,20 @@ not): P writes into D's KV with the Mooncake ``TransferEngine``.
 * P writes one batch per layer group: one entry per (layer, run of blocks adjacent on both
   sides), with ``batch_transfer_sync_write``, which returns once the batch is in D's memory
   and releases the GIL while it waits (measured), so the sender thread blocks, not the engine.
+* Different TP (head slices): D registers its receive ring with its engine when the first such
+  sender connects, before answering its Hello (P's engine fetches D's segment, registered
+  buffers included, on its first write), and offers the ring's address; P registers each
+  staging buffer once, on first use, and writes a gathered slice into the granted slot.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import msgspec
 import torch
 
 from vllm_layerkv.protocol import DirectExport, Hello, MooncakeExport
@@ -54,10 +60,12 @@ def transfer_engine() -> Any:
 
 
 class MooncakePeer(AddressedPeer):
-    def __init__(self, engine: Any, export: MooncakeExport, local: Sequence[torch.Tensor]):
+    def __init__(self, engine: Any, export: MooncakeExport, local: Sequence[torch.Tensor],
+                 register_staging: Callable[[torch.Tensor], None]):
         super().__init__("mooncake", export.layer_addrs, export.num_blocks, export.block_bytes,
-                         local)
+                         local, export.ring_addr, export.ring_slots, export.ring_slot_bytes)
         self._engine = engine
+        self._register_staging = register_staging
         self._session = export.session
         self.description = f"Mooncake {export.protocol}, segment {export.session}"
 
@@ -70,6 +78,17 @@ class MooncakePeer(AddressedPeer):
         rc = self._engine.batch_transfer_sync_write(self._session, srcs, dsts, lens)
         if rc != 0:
             raise DirectWriteFailed(f"mooncake: batch write of {len(lens)} runs to "
+                                    f"{self._session} failed (rc={rc}; see the engine's log)")
+
+    def write_span(self, buffer: torch.Tensor, nbytes: int, remote_addr: int) -> None:
+        try:
+            self._register_staging(buffer)
+        except DirectUnavailable as e:
+            raise DirectWriteFailed(str(e)) from None
+        rc = self._engine.batch_transfer_sync_write(self._session, [buffer.data_ptr()],
+                                                    [remote_addr], [nbytes])
+        if rc != 0:
+            raise DirectWriteFailed(f"mooncake: head-slice write of {nbytes} B to "
                                     f"{self._session} failed (rc={rc}; see the engine's log)")
 
 
@@ -89,6 +108,7 @@ class MooncakePlane(DirectPlane):
                 "mooncake_device")
         self._session = f"{host}:{self._engine.get_rpc_port()}"
         self._registered: list[int] = []
+        self._lock = threading.Lock()
         for addr, size in memory_regions(self.local):
             if self._engine.register_memory(addr, size) != 0:
                 self.shutdown()
@@ -96,17 +116,52 @@ class MooncakePlane(DirectPlane):
                                         "transfer engine (see the engine's log)")
             self._registered.append(addr)
         self._export: MooncakeExport | None = None
+        self._ring_export: MooncakeExport | None = None
+        self._ring_refused = ""
+        """Why the receive ring could not be registered (head slices then go as bytes)."""
 
     def prepare(self) -> None:
         self._export = MooncakeExport(session=self._session, protocol=self._protocol,
                                       **layer_geometry(self.local))
 
     def offer(self, hello: Hello, ring: RecvRing | None = None) -> MooncakeExport | None:
-        return self._export
+        """The export; with ``ring`` (the sender's TP differs) the ring is registered on first
+        need and the export names it."""
+        if self._export is None or ring is None:
+            return self._export
+        with self._lock:
+            if self._ring_export is None and not self._ring_refused:
+                try:
+                    self._register(ring.tensor)
+                except DirectUnavailable as e:
+                    self._ring_refused = str(e)
+                    logger.warning("LayerKV %s; head slices from prefill ranks with another TP "
+                                   "go as bytes", e)
+                else:
+                    self._ring_export = msgspec.structs.replace(
+                        self._export, ring_addr=ring.tensor.data_ptr(), ring_slots=ring.slots,
+                        ring_slot_bytes=ring.slot_bytes)
+            return self._ring_export or self._export
 
     def attach(self, export: DirectExport) -> MooncakePeer:
         assert isinstance(export, MooncakeExport)
-        return MooncakePeer(self._engine, export, self.local)
+        return MooncakePeer(self._engine, export, self.local, self._register_staging)
+
+    def _register_staging(self, buffer: torch.Tensor) -> None:
+        """P side: a staging buffer is registered as a write source on first use and stays
+        registered (the sender reuses a fixed pool of them)."""
+        with self._lock:
+            self._register(buffer)
+
+    def _register(self, t: torch.Tensor) -> None:
+        """Register ``t``'s bytes once (caller holds the lock)."""
+        addr = t.data_ptr()
+        if addr in self._registered:
+            return
+        if self._engine.register_memory(addr, t.numel() * t.element_size()) != 0:
+            raise DirectUnavailable(f"mooncake: cannot register {t.numel()} B at {addr:#x} "
+                                    "with the transfer engine (see the engine's log)")
+        self._registered.append(addr)
 
     def shutdown(self) -> None:
         for ptr in self._registered:

@@ -12,6 +12,10 @@ IPC, shared memory, TCP...).
 * Completion: P polls the request with a growing sleep (no busy spin) and only then reports
   ``DirectWritten`` on the control connection; NIXL's DONE means the bytes are in the target's
   memory.
+* Different TP (head slices): D registers its receive ring when the first such sender connects
+  and offers it with fresh agent metadata (a NIXL agent's metadata names its registered
+  memory); P registers each staging buffer once, on first use, and writes a gathered slice
+  into the granted ring slot with one descriptor.
 
 NIXL's Python wrapper starts the agent's progress thread with a 0 us delay, which spins a core
 for ever (measured: 2 agents used 4 s of CPU per 2 s idle). The UCX progress thread waits on
@@ -24,9 +28,10 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 
@@ -104,10 +109,11 @@ class NixlPeer(AddressedPeer):
     """P side: one decode rank's KV, reached through this worker's NIXL agent."""
 
     def __init__(self, agent: Any, export: NixlExport, local: Sequence[torch.Tensor],
-                 io_timeout: float):
+                 io_timeout: float, register_staging: Callable[[torch.Tensor], None]):
         super().__init__("nixl", export.layer_addrs, export.num_blocks, export.block_bytes,
-                         local)
+                         local, export.ring_addr, export.ring_slots, export.ring_slot_bytes)
         self._agent = agent
+        self._register_staging = register_staging
         self._export = export
         self._mem, self._dev = _mem(local)
         self._io_timeout = io_timeout
@@ -128,6 +134,18 @@ class NixlPeer(AddressedPeer):
                 handle = self._indexed(layers, src_blocks, dst_blocks)
         except Exception as e:  # noqa: BLE001
             raise DirectWriteFailed(f"nixl: cannot create the WRITE: {e}") from None
+        self._post_and_wait(handle)
+
+    def write_span(self, buffer: torch.Tensor, nbytes: int, remote_addr: int) -> None:
+        ex, a = self._export, self._agent
+        try:
+            self._register_staging(buffer)
+            local = np.array([(buffer.data_ptr(), nbytes, self._dev)], dtype=np.uint64)
+            remote = np.array([(remote_addr, nbytes, ex.device_id)], dtype=np.uint64)
+            handle = a.initialize_xfer("WRITE", a.get_xfer_descs(local, self._mem),
+                                       a.get_xfer_descs(remote, ex.mem_type), self._remote)
+        except Exception as e:  # noqa: BLE001 - nixl raises its own exception types
+            raise DirectWriteFailed(f"nixl: cannot create the head-slice WRITE: {e}") from None
         self._post_and_wait(handle)
 
     def _coalesced(self, layers: Sequence[int], runs: list[tuple[int, int, int]]) -> Any:
@@ -227,6 +245,12 @@ class NixlPlane(DirectPlane):
         except Exception as e:  # noqa: BLE001
             raise DirectUnavailable(f"nixl: cannot register the KV cache: {e}") from None
         self._export: NixlExport | None = None
+        self._lock = threading.Lock()
+        self._ring_export: NixlExport | None = None
+        self._ring_refused = ""
+        """Why the receive ring could not be registered (head slices then go as bytes)."""
+        self._extra_regs: dict[tuple[int, int], Any] = {}
+        """(address, bytes) -> registration: P's staging buffers, D's receive ring."""
 
     def prepare(self) -> None:
         self._export = NixlExport(
@@ -234,14 +258,47 @@ class NixlPlane(DirectPlane):
             mem_type=self._mem, device_id=self._dev, **layer_geometry(self.local))
 
     def offer(self, hello: Hello, ring: RecvRing | None = None) -> NixlExport | None:
-        return self._export
+        """The export; with ``ring`` (the sender's TP differs) the ring is registered on first
+        need and the export carries it, with agent metadata that covers it."""
+        if self._export is None or ring is None:
+            return self._export
+        with self._lock:
+            if self._ring_export is None and not self._ring_refused:
+                try:
+                    self._register(ring.tensor)
+                except Exception as e:  # noqa: BLE001
+                    self._ring_refused = str(e)
+                    logger.warning("LayerKV nixl: cannot register the receive ring (%s); head "
+                                   "slices from prefill ranks with another TP go as bytes", e)
+                else:
+                    self._ring_export = msgspec.structs.replace(
+                        self._export, agent_metadata=self._agent.get_agent_metadata(),
+                        ring_addr=ring.tensor.data_ptr(), ring_slots=ring.slots,
+                        ring_slot_bytes=ring.slot_bytes)
+            return self._ring_export or self._export
 
     def attach(self, export: DirectExport) -> NixlPeer:
         assert isinstance(export, NixlExport)
-        return NixlPeer(self._agent, export, self.local, self._io_timeout)
+        return NixlPeer(self._agent, export, self.local, self._io_timeout,
+                        self._register_staging)
+
+    def _register_staging(self, buffer: torch.Tensor) -> None:
+        """P side: a staging buffer becomes WRITE-able on first use and stays registered (the
+        sender reuses a fixed pool of them)."""
+        with self._lock:
+            self._register(buffer)
+
+    def _register(self, t: torch.Tensor) -> None:
+        """Register ``t``'s bytes once (caller holds the lock)."""
+        key = (t.data_ptr(), t.numel() * t.element_size())
+        if key not in self._extra_regs:
+            self._extra_regs[key] = self._agent.register_memory(
+                [(key[0], key[1], self._dev, "")], self._mem)
 
     def shutdown(self) -> None:
-        try:
-            self._agent.deregister_memory(self._reg)
-        except Exception:  # noqa: BLE001 - best effort at exit
-            pass
+        for reg in [self._reg, *self._extra_regs.values()]:
+            try:
+                self._agent.deregister_memory(reg)
+            except Exception:  # noqa: BLE001 - best effort at exit
+                pass
+        self._extra_regs.clear()

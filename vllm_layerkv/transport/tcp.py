@@ -161,8 +161,8 @@ class TcpSendChannel(SendChannel):
         if self._writer is not None and self._required:
             raise TransportError(
                 f"transport={self._required} cannot write head slices into decode "
-                f"{self._endpoint} (prefill and decode TP differ; only cuda_ipc has a receive "
-                "ring); use transport=auto or tcp")
+                f"{self._endpoint}: prefill and decode TP differ and decode offered no receive "
+                "ring (see its log); use transport=auto or tcp")
         per_block = self._blocks.slice_bytes(num_heads)
         nbytes = len(layers) * len(src_blocks) * per_block
         header = BlockData(transfer_id=transfer_id, layers=list(layers),
@@ -467,7 +467,7 @@ class TcpTransport(Transport):
     def _ring_for(self, blocks: BlockIO) -> RecvRing | None:
         """The receive ring, made when the first sender with another TP size connects (equal
         TP never pays for it); None when no plane here could export it."""
-        if not any(p.name == "cuda_ipc" for p in self._planes):
+        if not any(p.carries_slices for p in self._planes):
             return None
         with self._lock:
             if self._ring is None:
