@@ -14,8 +14,10 @@ conformance suite, LAYERKV_TEST_TRANSPORTS names the transports to run when one 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -257,14 +259,18 @@ def test_a_full_receive_ring_delays_grants_and_loses_nothing(cluster, transport)
     # 4 heads, P TP2 -> D TP1: 1 KiB per block slice; an 8 KiB buffer holds 8 blocks, so each
     # group (2 layers x 32 blocks) goes as 8 writes per P rank, all through one slot
     c = cluster(transport, 4, 2, 1, staging_bytes=8 << 10, ring_slots=1)
+    # the ring is made when the first sender connects; make it now and hold its one slot for
+    # a moment, so that the first grant has to wait for it whatever the threads' timing
+    ring = c.d[0].transport._ring_for(SimpleNamespace(tensors=[torch.empty(0)]))
+    held = ring.acquire(1, 1.0)
+    threading.Timer(0.3, ring.release, [held]).start()
     src, dst = list(range(BLOCKS)), list(range(BLOCKS))[::-1]
     c.expect("t", dst)
     c.send("t", src, dst, final=True)
     c.wait_done("t")
     c.check(list(zip(src, dst)))
     assert c.ops() == 2 * len(GROUPS) * 8
-    ring = c.d[0].transport._ring
-    assert ring is not None and ring.slots == 1 and ring.waits > 0
+    assert c.d[0].transport._ring is ring and ring.slots == 1 and ring.waits > 0
 
 
 @pytest.mark.parametrize("transport", RING_ENGINES)
@@ -341,3 +347,27 @@ def test_a_prefill_rank_that_cannot_map_is_refused_at_the_data_handshake(cluster
     assert "does not divide" in c.d[0].table.check_hello(bad)
     good = Hello(compat=rank_compat(4, 4), engine_id="p4", tp_rank=0, tp_size=4)
     assert c.d[0].table.check_hello(good) is None
+
+
+def test_a_ring_the_engine_cannot_register_leaves_auto_to_bytes(cluster, monkeypatch,
+                                                                caplog) -> None:
+    """D's engine refuses to register the receive ring: D says why in its log and offers its
+    export without a ring, and auto sends the head slices as bytes, exactly."""
+    if not RING_ENGINES:
+        pytest.skip("neither NIXL nor Mooncake is installed")
+    from vllm_layerkv.transport.mooncake import MooncakePlane
+    from vllm_layerkv.transport.nixl import NixlPlane
+
+    def refuse(self, t) -> None:
+        raise RuntimeError("registration refused (test)")
+
+    for cls in (NixlPlane, MooncakePlane):
+        monkeypatch.setattr(cls, "register", refuse)
+    c = cluster("auto", 4, 2, 1)
+    src, dst = list(range(6)), list(range(10, 16))
+    c.expect("t1", dst)
+    c.send("t1", src, dst, final=True)
+    c.wait_done("t1")
+    c.check(list(zip(src, dst)))
+    assert c.ring_writers() == 0
+    assert "cannot register the receive ring (registration refused (test))" in caplog.text

@@ -21,15 +21,20 @@ Planes: ``cuda_ipc.py`` (same host, KV on CUDA), ``nixl.py`` (NIXL agents: UCX, 
 
 from __future__ import annotations
 
+import logging
 import socket
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from functools import lru_cache
 
+import msgspec
 import torch
 
 from vllm_layerkv.protocol import DirectExport, Hello
 from vllm_layerkv.staging import RecvRing, StagingError, gather
+
+logger = logging.getLogger("vllm.layerkv.transport.direct")
 
 
 class DirectUnavailable(RuntimeError):
@@ -244,3 +249,53 @@ class DirectPlane(ABC):
 
     def shutdown(self) -> None:
         """Release what ``prepare`` / ``attach`` took."""
+
+
+class AddressedPlane(DirectPlane):
+    """A plane whose engine reaches memory by registered address (NIXL, Mooncake). Besides the
+    KV cache it registers, once each and on first need, D's receive ring (offered in the export
+    to senders with another TP) and P's staging buffers (the sender reuses a fixed pool)."""
+
+    def __init__(self, local: Sequence[torch.Tensor]):
+        super().__init__(local)
+        self._export: DirectExport | None = None
+        """Set by ``prepare``: the KV's export, without a ring."""
+        self._ring_export: DirectExport | None = None
+        self._ring_refused = ""
+        """Why the receive ring could not be registered (head slices then go as bytes)."""
+        self._lock = threading.Lock()
+        """Serialises registrations: D's connection threads, P's sender thread."""
+
+    def offer(self, hello: Hello, ring: RecvRing | None = None) -> DirectExport | None:
+        """The export; with ``ring`` (the sender's TP differs) the ring is registered the
+        first time and the export carries it."""
+        if self._export is None or ring is None:
+            return self._export
+        with self._lock:
+            if self._ring_export is None and not self._ring_refused:
+                try:
+                    self.register(ring.tensor)
+                except Exception as e:  # noqa: BLE001 - engines raise their own types
+                    self._ring_refused = str(e)
+                    logger.warning("LayerKV %s: cannot register the receive ring (%s); head "
+                                   "slices from prefill ranks with another TP go as bytes",
+                                   self.name, e)
+                else:
+                    self._ring_export = self.ring_export(ring)
+            return self._ring_export or self._export
+
+    def ring_export(self, ring: RecvRing) -> DirectExport:
+        """The export with the (registered) ring's address and shape."""
+        assert self._export is not None
+        return msgspec.structs.replace(self._export, ring_addr=ring.tensor.data_ptr(),
+                                       ring_slots=ring.slots, ring_slot_bytes=ring.slot_bytes)
+
+    def register_staging(self, buffer: torch.Tensor) -> None:
+        """P side: make a staging buffer a valid write source (the first time it is used)."""
+        with self._lock:
+            self.register(buffer)
+
+    @abstractmethod
+    def register(self, t: torch.Tensor) -> None:
+        """Register ``t``'s bytes with the engine unless already done (the caller holds the
+        lock); raise if the engine refuses."""

@@ -18,18 +18,15 @@ not): P writes into D's KV with the Mooncake ``TransferEngine``.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import msgspec
 import torch
 
-from vllm_layerkv.protocol import DirectExport, Hello, MooncakeExport
-from vllm_layerkv.staging import RecvRing
+from vllm_layerkv.protocol import DirectExport, MooncakeExport
 from vllm_layerkv.transport.direct import (
     AddressedPeer,
-    DirectPlane,
+    AddressedPlane,
     DirectUnavailable,
     DirectWriteFailed,
     layer_geometry,
@@ -92,7 +89,7 @@ class MooncakePeer(AddressedPeer):
                                     f"{self._session} failed (rc={rc}; see the engine's log)")
 
 
-class MooncakePlane(DirectPlane):
+class MooncakePlane(AddressedPlane):
     name = "mooncake"
 
     def __init__(self, local: Sequence[torch.Tensor], host: str, protocol: str = "tcp",
@@ -108,53 +105,22 @@ class MooncakePlane(DirectPlane):
                 "mooncake_device")
         self._session = f"{host}:{self._engine.get_rpc_port()}"
         self._registered: list[int] = []
-        self._lock = threading.Lock()
         for addr, size in memory_regions(self.local):
             if self._engine.register_memory(addr, size) != 0:
                 self.shutdown()
                 raise DirectUnavailable("mooncake: cannot register the KV cache with the "
                                         "transfer engine (see the engine's log)")
             self._registered.append(addr)
-        self._export: MooncakeExport | None = None
-        self._ring_export: MooncakeExport | None = None
-        self._ring_refused = ""
-        """Why the receive ring could not be registered (head slices then go as bytes)."""
 
     def prepare(self) -> None:
         self._export = MooncakeExport(session=self._session, protocol=self._protocol,
                                       **layer_geometry(self.local))
 
-    def offer(self, hello: Hello, ring: RecvRing | None = None) -> MooncakeExport | None:
-        """The export; with ``ring`` (the sender's TP differs) the ring is registered on first
-        need and the export names it."""
-        if self._export is None or ring is None:
-            return self._export
-        with self._lock:
-            if self._ring_export is None and not self._ring_refused:
-                try:
-                    self._register(ring.tensor)
-                except DirectUnavailable as e:
-                    self._ring_refused = str(e)
-                    logger.warning("LayerKV %s; head slices from prefill ranks with another TP "
-                                   "go as bytes", e)
-                else:
-                    self._ring_export = msgspec.structs.replace(
-                        self._export, ring_addr=ring.tensor.data_ptr(), ring_slots=ring.slots,
-                        ring_slot_bytes=ring.slot_bytes)
-            return self._ring_export or self._export
-
     def attach(self, export: DirectExport) -> MooncakePeer:
         assert isinstance(export, MooncakeExport)
-        return MooncakePeer(self._engine, export, self.local, self._register_staging)
+        return MooncakePeer(self._engine, export, self.local, self.register_staging)
 
-    def _register_staging(self, buffer: torch.Tensor) -> None:
-        """P side: a staging buffer is registered as a write source on first use and stays
-        registered (the sender reuses a fixed pool of them)."""
-        with self._lock:
-            self._register(buffer)
-
-    def _register(self, t: torch.Tensor) -> None:
-        """Register ``t``'s bytes once (caller holds the lock)."""
+    def register(self, t: torch.Tensor) -> None:
         addr = t.data_ptr()
         if addr in self._registered:
             return

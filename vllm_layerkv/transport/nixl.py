@@ -35,11 +35,11 @@ import msgspec
 import numpy as np
 import torch
 
-from vllm_layerkv.protocol import DirectExport, Hello, NixlExport
+from vllm_layerkv.protocol import DirectExport, NixlExport
 from vllm_layerkv.staging import RecvRing
 from vllm_layerkv.transport.direct import (
     AddressedPeer,
-    DirectPlane,
+    AddressedPlane,
     DirectUnavailable,
     DirectWriteFailed,
     layer_geometry,
@@ -230,7 +230,7 @@ class NixlPeer(AddressedPeer):
             pass
 
 
-class NixlPlane(DirectPlane):
+class NixlPlane(AddressedPlane):
     name = "nixl"
 
     def __init__(self, local: Sequence[torch.Tensor], backends: Sequence[str] = ("UCX",),
@@ -244,11 +244,6 @@ class NixlPlane(DirectPlane):
             self._reg = self._agent.register_memory(regions, self._mem)
         except Exception as e:  # noqa: BLE001
             raise DirectUnavailable(f"nixl: cannot register the KV cache: {e}") from None
-        self._export: NixlExport | None = None
-        self._lock = threading.Lock()
-        self._ring_export: NixlExport | None = None
-        self._ring_refused = ""
-        """Why the receive ring could not be registered (head slices then go as bytes)."""
         self._extra_regs: dict[tuple[int, int], Any] = {}
         """(address, bytes) -> registration: P's staging buffers, D's receive ring."""
 
@@ -257,39 +252,18 @@ class NixlPlane(DirectPlane):
             agent_name=self._agent.name, agent_metadata=self._agent.get_agent_metadata(),
             mem_type=self._mem, device_id=self._dev, **layer_geometry(self.local))
 
-    def offer(self, hello: Hello, ring: RecvRing | None = None) -> NixlExport | None:
-        """The export; with ``ring`` (the sender's TP differs) the ring is registered on first
-        need and the export carries it, with agent metadata that covers it."""
-        if self._export is None or ring is None:
-            return self._export
-        with self._lock:
-            if self._ring_export is None and not self._ring_refused:
-                try:
-                    self._register(ring.tensor)
-                except Exception as e:  # noqa: BLE001
-                    self._ring_refused = str(e)
-                    logger.warning("LayerKV nixl: cannot register the receive ring (%s); head "
-                                   "slices from prefill ranks with another TP go as bytes", e)
-                else:
-                    self._ring_export = msgspec.structs.replace(
-                        self._export, agent_metadata=self._agent.get_agent_metadata(),
-                        ring_addr=ring.tensor.data_ptr(), ring_slots=ring.slots,
-                        ring_slot_bytes=ring.slot_bytes)
-            return self._ring_export or self._export
+    def ring_export(self, ring: RecvRing) -> NixlExport:
+        """With the ring, and agent metadata taken after its registration (a NIXL agent's
+        metadata names its registered memory; P loads it to reach the ring)."""
+        export = super().ring_export(ring)
+        return msgspec.structs.replace(export, agent_metadata=self._agent.get_agent_metadata())
 
     def attach(self, export: DirectExport) -> NixlPeer:
         assert isinstance(export, NixlExport)
         return NixlPeer(self._agent, export, self.local, self._io_timeout,
-                        self._register_staging)
+                        self.register_staging)
 
-    def _register_staging(self, buffer: torch.Tensor) -> None:
-        """P side: a staging buffer becomes WRITE-able on first use and stays registered (the
-        sender reuses a fixed pool of them)."""
-        with self._lock:
-            self._register(buffer)
-
-    def _register(self, t: torch.Tensor) -> None:
-        """Register ``t``'s bytes once (caller holds the lock)."""
+    def register(self, t: torch.Tensor) -> None:
         key = (t.data_ptr(), t.numel() * t.element_size())
         if key not in self._extra_regs:
             self._extra_regs[key] = self._agent.register_memory(
