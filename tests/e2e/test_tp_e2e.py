@@ -4,15 +4,16 @@ Greedy outputs (float32) must be token-identical to a single TP=1 instance witho
 the KV must have gone through the head-slice path (``tp.py`` routes, ``staging.py`` gather /
 scatter) over the layout's transport, and nothing may stay allocated afterwards.
 
-Transports: ``p2-d1`` runs the default, ``auto``, which on a machine with NIXL installed (CI's
-set-up installs it) writes the slices into D's receive ring with NIXL WRITEs; ``p1-d2`` forces
-``tcp`` (sliced ``BlockData`` bytes). Every transport runs both directions in one process
-(``tests/unit/test_tp_transfer.py``) and NIXL and Mooncake also across processes
-(``tests/unit/test_tp_processes.py``). A third layout, P TP1 -> D TP2 over forced Mooncake, is
-not here: on this 2-core machine (P sharing a core with D's rank 0) Mooncake's tcp write into
-D's rank 0 missed its 30 s progress deadline in 4 of 11 runs ("no status frame within 30s";
-3 more took 18-30 s), while the same harness across processes, P TP2 -> D TP1 in vLLM, and
-whole-block Mooncake writes with P and D on one core all passed; the cause is not found.
+Transports: ``p2-d1`` runs the default, ``auto`` (NIXL attached on a machine with NIXL, as CI's
+set-up installs it), ``p1-d2`` forces ``tcp``; with the KV in host memory both send the slices as
+sliced ``BlockData`` bytes on the data connection. NIXL and Mooncake write slices into D's receive
+ring only when named (or with the KV on a GPU): that runs both directions in one process
+(``tests/unit/test_tp_transfer.py``), across processes (``tests/unit/test_tp_processes.py``) and
+on a GPU (``tests/gpu/test_tp_gpu.py``), but not here. In real vLLM on this 2-core machine the
+engine rings stalled at times: P TP1 -> D TP2 over Mooncake missed Mooncake's 30 s progress
+deadline in 4 of 11 runs, and P TP2 -> D TP1 over NIXL took 3-38 s per request (bytes: 2-5 s) and
+once hung a request until D's kv_wait_timeout_s. The cause is not found, so ``auto`` keeps host
+memory on bytes and these layouts stay out of CI.
 
 Model: the tiny random llama (``.models/tiny-llama``: 8 layers, 4 query heads, 2 KV heads), so
 TP=2 splits the KV heads 1 + 1 and every transfer slices heads out of (or into) the TP=1 side's
@@ -155,16 +156,10 @@ def test_kv_went_through_head_slices(tp_cluster: TPCluster) -> None:
     slicing = p_log.count("staging buffers for head slices")  # once per rank, on first use
     assert slicing == tp_cluster.p_tp, f"{slicing} of {tp_cluster.p_tp} prefill ranks sliced"
     assert "refusing" not in p_log + d_log and "cannot get its KV" not in d_log
-    # the path the slices took: bytes on the connection, or an engine's ring writes
-    rings = d_log.count("receive ring for head slices")  # once per D rank, on first need
-    used = transports_used(p_log)
+    # host memory: the slices went as bytes (no receive ring), whichever engine auto attached
+    assert "receive ring for head slices" not in d_log
     if tp_cluster.transport == "tcp":
-        assert used == "tcp" and rings == 0, (used, rings)
-    else:
-        engine = "nixl" if tp_cluster.transport == "auto" else tp_cluster.transport
-        assert used == engine, f"{tp_cluster.name}: prefill used {used}, expected {engine}"
-        assert rings == tp_cluster.d_tp and "cannot register the receive ring" not in d_log, \
-            f"{tp_cluster.name}: {rings} of {tp_cluster.d_tp} decode ranks made a ring"
+        assert transports_used(p_log) == "tcp"
 
     for rank in range(tp_cluster.d_tp):
         closed = [e for e in pd.trace_events("d", rank) if e["ev"] == "recv_closed"]

@@ -4,9 +4,9 @@ transport receiver over its poisoned share) through gather -> transfer -> scatte
 element of every D rank is checked against the model's KV split the way D's TP splits it.
 
 Both directions, GQA replication (more ranks than KV heads), chunked sends, every transport
-that runs on CPU (TCP carries slices as bytes; NIXL and Mooncake write them into D's receive
-ring, which D scatters), receive-ring back-pressure, and the transfer-operation count with and
-without staging.
+that runs on CPU (TCP, and ``auto`` with the KV in host memory, carry slices as bytes; NIXL and
+Mooncake, when named, write them into D's receive ring, which D scatters), receive-ring
+back-pressure, and the transfer-operation count with and without staging.
 
 NIXL and Mooncake are optional dependencies that the test set-up installs; as in the
 conformance suite, LAYERKV_TEST_TRANSPORTS names the transports to run when one is missing."""
@@ -240,16 +240,18 @@ def test_a_forced_network_engine_writes_slices_into_the_receive_ring(cluster, tr
     assert c.ops() == 2 * len(GROUPS)
 
 
-def test_auto_prefers_a_network_engine_ring_over_bytes(cluster) -> None:
-    """On CPU, auto picks NIXL (else Mooncake) when installed, and head slices go into D's
-    receive ring through it; with neither installed they go as bytes. Either way, exact."""
+def test_auto_sends_host_memory_slices_as_bytes(cluster) -> None:
+    """On CPU, auto picks NIXL (else Mooncake) when installed for whole blocks, but with the KV
+    in host memory D offers no ring, so head slices go as bytes on the data connection (the
+    engine ring is used when the engine is named, or with the KV on a GPU). Exact either way."""
     c = cluster("auto", 4, 2, 4)
     src, dst = list(range(10)), list(range(20, 30))
     c.expect("t1", dst)
     c.send("t1", src, dst, final=True)
     c.wait_done("t1")
     c.check(list(zip(src, dst)))
-    assert (c.ring_writers() > 0) == bool(RING_ENGINES)
+    assert c.ring_writers() == 0
+    assert all(d.transport._ring is None for d in c.d)
 
 
 @pytest.mark.parametrize("transport", RING_ENGINES)
@@ -274,14 +276,19 @@ def test_a_full_receive_ring_delays_grants_and_loses_nothing(cluster, transport)
 
 
 @pytest.mark.parametrize("transport", RING_ENGINES)
-def test_a_forced_network_engine_without_a_decode_ring_fails_saying_what_to_use(
-        cluster, transport, monkeypatch) -> None:
-    """A decode that offers no receive ring (e.g. it could not register one): forced
-    transports may not fall back to bytes, so the transfer fails at once, saying what to use,
-    and D is told rather than left waiting."""
-    from vllm_layerkv.transport.tcp import TcpTransport
+def test_a_ring_the_engine_cannot_register_fails_a_forced_engine_saying_what_to_use(
+        cluster, transport, monkeypatch, caplog) -> None:
+    """D's engine refuses to register the receive ring: D says why in its log and offers its
+    export without a ring; a forced engine may not fall back to bytes, so the transfer fails
+    at once, saying what to use, and D is told rather than left waiting."""
+    from vllm_layerkv.transport.mooncake import MooncakePlane
+    from vllm_layerkv.transport.nixl import NixlPlane
 
-    monkeypatch.setattr(TcpTransport, "_ring_for", lambda self, blocks: None)
+    def refuse(self, t) -> None:
+        raise RuntimeError("registration refused (test)")
+
+    for cls in (NixlPlane, MooncakePlane):
+        monkeypatch.setattr(cls, "register", refuse)
     c = cluster(transport, 4, 2, 1)
     c.expect("t1", [1, 2])
     c.send("t1", [1, 2], [1, 2], final=True)
@@ -296,6 +303,7 @@ def test_a_forced_network_engine_without_a_decode_ring_fails_saying_what_to_use(
     _, failed = c.d[0].table.drain()
     assert failed == {"req-t1"}  # D was told at once, not left waiting
     c.check([])
+    assert "cannot register the receive ring (registration refused (test))" in caplog.text
 
 
 def test_staging_sends_one_transfer_per_group_and_rank(cluster) -> None:
@@ -348,26 +356,3 @@ def test_a_prefill_rank_that_cannot_map_is_refused_at_the_data_handshake(cluster
     good = Hello(compat=rank_compat(4, 4), engine_id="p4", tp_rank=0, tp_size=4)
     assert c.d[0].table.check_hello(good) is None
 
-
-def test_a_ring_the_engine_cannot_register_leaves_auto_to_bytes(cluster, monkeypatch,
-                                                                caplog) -> None:
-    """D's engine refuses to register the receive ring: D says why in its log and offers its
-    export without a ring, and auto sends the head slices as bytes, exactly."""
-    if not RING_ENGINES:
-        pytest.skip("neither NIXL nor Mooncake is installed")
-    from vllm_layerkv.transport.mooncake import MooncakePlane
-    from vllm_layerkv.transport.nixl import NixlPlane
-
-    def refuse(self, t) -> None:
-        raise RuntimeError("registration refused (test)")
-
-    for cls in (NixlPlane, MooncakePlane):
-        monkeypatch.setattr(cls, "register", refuse)
-    c = cluster("auto", 4, 2, 1)
-    src, dst = list(range(6)), list(range(10, 16))
-    c.expect("t1", dst)
-    c.send("t1", src, dst, final=True)
-    c.wait_done("t1")
-    c.check(list(zip(src, dst)))
-    assert c.ring_writers() == 0
-    assert "cannot register the receive ring (registration refused (test))" in caplog.text

@@ -466,8 +466,14 @@ class TcpTransport(Transport):
     # ------------------------------------------------------------------ D side, head slices
     def _ring_for(self, blocks: BlockIO) -> RecvRing | None:
         """The receive ring, made when the first sender with another TP size connects (equal
-        TP never pays for it); None when no plane here could export it."""
+        TP never pays for it); None when no plane here could export it, and, with
+        ``transport=auto``, when the KV is in host memory: head slices then go as bytes on this
+        connection (zero-copy from and into the KV there). Engine rings in host memory run only
+        when an engine is named: in CI's 2-core vLLM runs they stalled at times, unexplained
+        (docs/architecture.md, "What is NOT in this version")."""
         if not any(p.carries_slices for p in self._planes):
+            return None
+        if not self._required and blocks.tensors[0].device.type != "cuda":
             return None
         with self._lock:
             if self._ring is None:
