@@ -25,7 +25,7 @@ import logging
 import socket
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 
 import msgspec
@@ -142,14 +142,19 @@ class AddressedPeer(PeerWriter):
     head slices."""
 
     def __init__(self, plane: str, layer_addrs: Sequence[int], num_blocks: int,
-                 block_bytes: int, local: Sequence[torch.Tensor], ring_addr: int = 0,
+                 block_bytes: int, local: Sequence[torch.Tensor],
+                 register_staging: Callable[[torch.Tensor], None], ring_addr: int = 0,
                  ring_slots: int = 0, ring_slot_bytes: int = 0):
         if ring_slots and block_bytes != local[0].shape[1]:
             # TP differs: only head slices go, through the ring; the layer count must match
             check_geometry(plane, len(layer_addrs), local[0].shape[1], local)
         else:
             check_geometry(plane, len(layer_addrs), block_bytes, local)
+        self.plane = plane
         self.local = list(local)
+        self._register_staging = register_staging
+        """The plane's ``register_staging``: a staging buffer must be registered before the
+        engine may read it (once per buffer; the plane remembers)."""
         self.remote_addrs = list(layer_addrs)
         self.remote_blocks = num_blocks
         self.local_addrs = [t.data_ptr() for t in local]
@@ -198,8 +203,14 @@ class AddressedPeer(PeerWriter):
         if n > self.ring_slot_bytes:
             raise DirectWriteFailed(f"{n} B of head slices exceed decode's "
                                     f"{self.ring_slot_bytes} B ring slot")
-        if n:
-            self.write_span(staging, n, self.ring_addr + slot * self.ring_slot_bytes)
+        if not n:
+            return 0
+        try:
+            self._register_staging(staging)
+        except Exception as e:  # noqa: BLE001 - engines raise their own types
+            raise DirectWriteFailed(f"{self.plane}: cannot register the staging buffer: "
+                                    f"{e}") from None
+        self.write_span(staging, n, self.ring_addr + slot * self.ring_slot_bytes)
         return n
 
     @abstractmethod
@@ -210,9 +221,9 @@ class AddressedPeer(PeerWriter):
 
     @abstractmethod
     def write_span(self, buffer: torch.Tensor, nbytes: int, remote_addr: int) -> None:
-        """Move the first ``nbytes`` of ``buffer`` (a staging buffer, reused across calls:
-        register it once) to ``remote_addr`` in the peer's ring and return once they are
-        there (raise DirectWriteFailed otherwise)."""
+        """Move the first ``nbytes`` of ``buffer`` (a staging buffer, already registered) to
+        ``remote_addr`` in the peer's ring and return once they are there (raise
+        DirectWriteFailed otherwise)."""
 
 
 def layer_geometry(local: Sequence[torch.Tensor]) -> dict[str, object]:
@@ -226,8 +237,6 @@ class DirectPlane(ABC):
     """One worker's direct-write mechanism, both halves."""
 
     name: str
-    carries_slices: bool = True
-    """D can offer its receive ring through this plane (different TP: head slices)."""
 
     def __init__(self, local: Sequence[torch.Tensor]):
         self.local = list(local)

@@ -60,9 +60,9 @@ class MooncakePeer(AddressedPeer):
     def __init__(self, engine: Any, export: MooncakeExport, local: Sequence[torch.Tensor],
                  register_staging: Callable[[torch.Tensor], None]):
         super().__init__("mooncake", export.layer_addrs, export.num_blocks, export.block_bytes,
-                         local, export.ring_addr, export.ring_slots, export.ring_slot_bytes)
+                         local, register_staging, export.ring_addr, export.ring_slots,
+                         export.ring_slot_bytes)
         self._engine = engine
-        self._register_staging = register_staging
         self._session = export.session
         self.description = f"Mooncake {export.protocol}, segment {export.session}"
 
@@ -78,10 +78,6 @@ class MooncakePeer(AddressedPeer):
                                     f"{self._session} failed (rc={rc}; see the engine's log)")
 
     def write_span(self, buffer: torch.Tensor, nbytes: int, remote_addr: int) -> None:
-        try:
-            self._register_staging(buffer)
-        except DirectUnavailable as e:
-            raise DirectWriteFailed(str(e)) from None
         rc = self._engine.batch_transfer_sync_write(self._session, [buffer.data_ptr()],
                                                     [remote_addr], [nbytes])
         if rc != 0:

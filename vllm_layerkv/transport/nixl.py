@@ -111,9 +111,9 @@ class NixlPeer(AddressedPeer):
     def __init__(self, agent: Any, export: NixlExport, local: Sequence[torch.Tensor],
                  io_timeout: float, register_staging: Callable[[torch.Tensor], None]):
         super().__init__("nixl", export.layer_addrs, export.num_blocks, export.block_bytes,
-                         local, export.ring_addr, export.ring_slots, export.ring_slot_bytes)
+                         local, register_staging, export.ring_addr, export.ring_slots,
+                         export.ring_slot_bytes)
         self._agent = agent
-        self._register_staging = register_staging
         self._export = export
         self._mem, self._dev = _mem(local)
         self._io_timeout = io_timeout
@@ -139,7 +139,6 @@ class NixlPeer(AddressedPeer):
     def write_span(self, buffer: torch.Tensor, nbytes: int, remote_addr: int) -> None:
         ex, a = self._export, self._agent
         try:
-            self._register_staging(buffer)
             local = np.array([(buffer.data_ptr(), nbytes, self._dev)], dtype=np.uint64)
             remote = np.array([(remote_addr, nbytes, ex.device_id)], dtype=np.uint64)
             handle = a.initialize_xfer("WRITE", a.get_xfer_descs(local, self._mem),

@@ -471,7 +471,7 @@ class TcpTransport(Transport):
         connection (zero-copy from and into the KV there). Engine rings in host memory run only
         when an engine is named: in CI's 2-core vLLM runs they stalled at times, unexplained
         (docs/architecture.md, "What is NOT in this version")."""
-        if not any(p.carries_slices for p in self._planes):
+        if not self._planes:
             return None
         if not self._required and blocks.tensors[0].device.type != "cuda":
             return None
