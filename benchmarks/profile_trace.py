@@ -17,6 +17,10 @@ the proxy receiving D's first bytes:
   d_first       -> D's first bytes reach the proxy (D schedules the request, recomputes the last
                 prompt token, samples, detokenizes, streams)
 
+A request D reported before its transfer closed (``early_release``, row field ``early``) has
+report = 0, and the D parts below count from the close: the ones vLLM got through while P
+computed its last group are 0.
+
 With P's scheduler trace (``trace.psched.0``), start_delay is split (``P_PARTS``):
 
   p_intake      proxy in -> P's scheduler first sees the request (HTTP, tokenization, engine
@@ -117,14 +121,19 @@ def request_breakdowns(trace_dir: Path) -> list[dict[str, Any]]:
         if ("group_send_start" not in group_times or req_id not in reported
                 or tid not in done_sent):
             continue
+        # reported before it closed (early_release): report = 0, and D's parts count from the
+        # close (what vLLM did before it overlapped P's last group)
+        early = reported[req_id] < closed[tid]["t"]
+        handed_over = max(reported[req_id], closed[tid]["t"])
         marks = [pt["proxy_in"], tid_plans[0]["t"], group_times["group_send_start"],
-                 group_times["group_send_end"], closed[tid]["t"], reported[req_id],
+                 group_times["group_send_end"], closed[tid]["t"], handed_over,
                  pt["proxy_d_first"]]
         row: dict[str, Any] = {
             "transfer_id": tid,
             "prompt_tokens_computed": sum(p["tokens"] for p in tid_plans),
             "chunks": len(tid_plans),
             "nbytes": closed[tid]["nbytes"],
+            "early": early,
         }
         for name, a, b in zip(SEGMENTS, marks, marks[1:]):
             row[name] = round((b - a) * 1000, 2)
@@ -136,7 +145,9 @@ def request_breakdowns(trace_dir: Path) -> list[dict[str, Any]]:
                 row[name] = round((b - a) * 1000, 2)
         dm = d_marks.get(req_id, {})
         if all(m in dm for m in D_MARKS):
-            d = [reported[req_id], *(dm[m] for m in D_MARKS), pt["proxy_d_first"]]
+            d = [handed_over]
+            for t in (*(dm[m] for m in D_MARKS), pt["proxy_d_first"]):
+                d.append(max(d[-1], t))  # early: marks before the close count as 0
             for name, a, b in zip(D_PARTS, d, d[1:]):
                 row[name] = round((b - a) * 1000, 2)
         rows.append(row)

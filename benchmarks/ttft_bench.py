@@ -13,6 +13,7 @@ Configurations (``--configs``):
   nixl-tcp     same with UCX_TLS=tcp,cuda_copy,self (no GPU-direct)
   layerkv      LayerKV P + D behind the project's proxy (transport auto: CUDA IPC on one host)
   layerkv-tcp  same with transport=tcp (KV through pinned host memory and a TCP socket)
+  layerkv-noearly   same with early_release=false (D reports a request only once its KV is in)
   layerkv-nixl      same with transport=nixl (UCX's default transports: CUDA IPC between GPUs)
   layerkv-nixl-tcp  same with transport=nixl and UCX_TLS=tcp,cuda_copy,self (like nixl-tcp)
   layerkv-mooncake  same with transport=mooncake (Mooncake TransferEngine, protocol tcp)
@@ -164,6 +165,7 @@ LAYERKV_CONFIGS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
     # name: (kv_connector_extra_config of P and D, environment of P and D)
     "layerkv": ({}, {}),
     "layerkv-tcp": ({"transport": "tcp"}, {}),
+    "layerkv-noearly": ({"early_release": False}, {}),
     "layerkv-nixl": ({"transport": "nixl"}, {}),
     "layerkv-nixl-tcp": ({"transport": "nixl"}, {"UCX_TLS": "tcp,cuda_copy,self"}),
     "layerkv-mooncake": ({"transport": "mooncake", "mooncake_protocol": "tcp"}, {}),

@@ -76,6 +76,16 @@ class LayerKVConfig:
     hooks fire during replays (FULL graphs skip them; LayerKV then sends the step's KV at its
     end). Leave false on decode instances so they keep FULL decode graphs."""
 
+    early_release: bool = True
+    """D: when P says a transfer's last layer group is being computed (``TransferNearlyDone``)
+    and this instance runs nothing else, report the request to vLLM ahead of the last bytes,
+    so that vLLM's scheduling of it overlaps P's last group; the step that runs it waits for
+    the KV before its forward. Models with one KV cache group only (vLLM takes load errors of
+    a running request per block only there)."""
+    early_release_lead_ms: float = 10.0
+    """D: report that long before P expects the transfer done: about the time from a report to
+    the request's forward in vLLM's engine loop (a few ms with CUDA graphs, more when eager)."""
+
     # --- robustness ----------------------------------------------------------------------
     registration_wait_s: float = 0.5
     """P: a new prefill waits at most this long for the decode instance's registration before
@@ -178,6 +188,8 @@ class LayerKVConfig:
              f"min_pipeline_stages={self.min_pipeline_stages}")
         need(self.group_size >= 0, f"group_size={self.group_size} must be >= 0 (0 = adaptive)")
         need(self.registration_wait_s >= 0, "registration_wait_s must be >= 0 seconds")
+        need(0 <= self.early_release_lead_ms <= 1000,
+             f"early_release_lead_ms={self.early_release_lead_ms} must be between 0 and 1000")
         for name in ("kv_wait_timeout_s", "registration_timeout_s", "ack_timeout_s",
                      "connect_timeout_s", "io_timeout_s"):
             need(getattr(self, name) > 0, f"{name} must be > 0 seconds")

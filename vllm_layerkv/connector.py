@@ -112,9 +112,11 @@ class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
         return (sending or None), ((recving | failed) or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        if self._worker is None or HAS_TRANSFER_RESULTS:
-            return set()  # 0.32+: failures travel as failed_recving instead
-        return self._worker.failed_blocks()
+        # 0.32+: failures travel as failed_recving, except for requests reported early (they
+        # run already), which every version learns of through their blocks
+        if self._worker is None:
+            return set()
+        return self._worker.failed_blocks(request_failures=not HAS_TRANSFER_RESULTS)
 
     if HAS_TRANSFER_RESULTS:
 

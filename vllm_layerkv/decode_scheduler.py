@@ -60,7 +60,7 @@ class DecodeScheduler:
         self._pending = LayerKVMetadata()
         self._tracer = Tracer(config.trace_path, "dsched", 0)
         self._received: set[str] = set()
-        """Tracing only: received requests not yet scheduled for their first token."""
+        """Received requests not yet scheduled for their first token (``first_steps``)."""
 
     def set_data_endpoints(self, endpoints: list[str]) -> None:
         if any(not e for e in endpoints):
@@ -107,7 +107,7 @@ class DecodeScheduler:
     def build_meta(self, meta: LayerKVMetadata, scheduler_output: Any = None) -> None:
         self._drain_replies()
         if self._received and scheduler_output is not None:
-            self._trace_first_steps(meta, scheduler_output)
+            self._mark_first_steps(meta, scheduler_output)
         now = time.monotonic()
         for w in list(self._waiting.values()):
             if not w.closed and now > w.deadline:
@@ -122,7 +122,7 @@ class DecodeScheduler:
         """The request ended; if it still waits for KV (aborted), stop the transfer."""
         self._local_hits.pop(req_id, None)
         self._admitted.discard(req_id)
-        self._received.discard(req_id)  # tracing: received, then aborted before it ran
+        self._received.discard(req_id)  # received, then aborted before it ran
         w = self._waiting.get(req_id)
         if w is not None and not w.closed:
             w.closed = True
@@ -132,11 +132,11 @@ class DecodeScheduler:
                                                  reason="decode request aborted"))
 
     def finished_recving(self, req_ids: set[str]) -> None:
+        self._received |= req_ids
         if self._tracer.enabled:
             # vLLM has the worker's report now (with async scheduling, one step after it)
             self._tracer.event("recv_seen", req_ids=sorted(req_ids))
             self._tracer.flush()
-            self._received |= req_ids
         for req_id in req_ids:
             w = self._waiting.pop(req_id, None)
             if w is not None:
@@ -145,17 +145,19 @@ class DecodeScheduler:
     def shutdown(self) -> None:
         self._client.close()
 
-    def _trace_first_steps(self, meta: LayerKVMetadata, scheduler_output: Any) -> None:
-        """Tracing only: the step that computes a received request's first token, so that the
-        profile can split D's part of TTFT (scheduled here, bound and launched on the worker)."""
+    def _mark_first_steps(self, meta: LayerKVMetadata, scheduler_output: Any) -> None:
+        """The step that computes a received request's first token: the worker waits there for
+        KV of a request it reported early, and the profile splits D's part of TTFT at it
+        (scheduled here, bound and launched on the worker)."""
         scheduled = {r.req_id for r in scheduler_output.scheduled_new_reqs}
         scheduled.update(scheduler_output.scheduled_cached_reqs.req_ids)
         first = sorted(self._received & scheduled)
         if first:
             self._received -= set(first)
-            meta.trace_first_steps += first
-            self._tracer.event("d_scheduled", req_ids=first)
-            self._tracer.flush()
+            meta.first_steps += first
+            if self._tracer.enabled:
+                self._tracer.event("d_scheduled", req_ids=first)
+                self._tracer.flush()
 
     def _drain_replies(self) -> None:
         while True:

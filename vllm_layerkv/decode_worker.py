@@ -1,7 +1,13 @@
 """Decode-side worker: listens for prefill ranks, lets the transport write KV straight into this
-worker's blocks, and reports each request as received (or failed) exactly once."""
+worker's blocks, and reports each request as received (or failed) exactly once.
+
+With ``early_release`` a request may be reported while P computes its last layer group, on steps
+where this instance has nothing else to run; the first step that runs it then waits for the
+transfer to close before its forward (``receiver.py``)."""
 
 from __future__ import annotations
+
+import time
 
 from vllm_layerkv.blockio import BlockIO
 from vllm_layerkv.config import LayerKVConfig
@@ -20,7 +26,8 @@ class DecodeWorker:
         self._tracer = tracer
         self._table = RecvTable(compat, tp_rank, tp_size,
                                 unknown_wait_s=config.connect_timeout_s, stats=stats,
-                                tracer=tracer)
+                                tracer=tracer, early_lead_s=config.early_release_lead_ms / 1e3)
+        self._early_wait_s = config.io_timeout_s
         port = config.data_port + tp_rank if config.data_port else 0
         self.endpoint = transport.start_receiver(
             config.host, port, self._table, blocks, config.io_timeout_s)
@@ -30,13 +37,21 @@ class DecodeWorker:
             self._table.expect(task)
         for close in meta.recv_closes:
             self._table.close(close.transfer_id, close.failed, close.reason)
+        if meta.first_steps:  # before the forward: KV of requests reported early must be in
+            self._table.wait_early(meta.first_steps, self._early_wait_s)
 
-    def results(self, wait_s: float = 0.0) -> tuple[set[str], set[str]]:
+    def results(self, wait_s: float = 0.0, early: bool = False) -> tuple[set[str], set[str]]:
         """(finished, failed) since last call. ``wait_s`` > 0 on idle steps: block that long
-        for a completion instead of letting the engine loop spin."""
+        for a completion instead of letting the engine loop spin. ``early``: also report
+        transfers P said are nearly done, once their time has come (and wait no longer than
+        that)."""
+        if early and (ready_at := self._table.next_early_at()) is not None:
+            wait_s = min(wait_s, max(0.0, ready_at - time.monotonic()))
         if wait_s > 0 and self._table.pending() and not self._table.results_ready.is_set():
             self._table.results_ready.wait(wait_s)
         finished, failed = self._table.drain()
+        if early:
+            finished |= self._table.take_early(time.monotonic())
         if self._tracer.enabled and (finished or failed):
             self._tracer.event("recv_reported", req_ids=sorted(finished | failed))
             self._tracer.flush()
@@ -46,5 +61,5 @@ class DecodeWorker:
         """Transfers this worker still expects."""
         return self._table.pending() > 0
 
-    def failed_blocks(self) -> set[int]:
-        return self._table.drain_failed_blocks()
+    def failed_blocks(self, request_failures: bool) -> set[int]:
+        return self._table.drain_failed_blocks(request_failures)

@@ -72,8 +72,9 @@ class LayerKVMetadata(KVConnectorMetadata):
     recv_closes: list[RecvClose] = field(default_factory=list)
     empty_step: bool = False
     """No tokens scheduled: workers may wait briefly for completions instead of spinning."""
-    trace_first_steps: list[str] = field(default_factory=list)
-    """Tracing only (``trace_path``): received requests whose first token this step computes."""
+    first_steps: list[str] = field(default_factory=list)
+    """D: received requests whose first token this step computes (a request reported early
+    waits for its KV before the forward; tracing marks the step)."""
 
 
 @dataclass

@@ -12,6 +12,11 @@ Per step:
 * ``end_step`` (``wait_for_save``): enqueue groups whose hooks never fired (FULL CUDA-graph
   replays skip them), the tasks that are sent whole at the end of the step (short prompts), and
   ``TransferDone`` for transfers whose last chunk this was.
+
+In a step that ends a transfer, the sender follows the penultimate group with
+``TransferNearlyDone`` (and an estimate of when the rest lands), so that an idle decode
+instance can have vLLM schedule the request while the last group is computed and copied
+(``early_release``, decode side in ``receiver.py``).
 """
 
 from __future__ import annotations
@@ -93,8 +98,14 @@ class PrefillWorker:
         num_layers = self._layout.num_layers
         avg_tokens = sum(t.new_tokens for t in streamed) // len(streamed)
         groups = split_layers(num_layers, plan_group_size(num_layers, avg_tokens, self._config))
+        # the penultimate group of a step that ends a transfer announces the end to D
+        ends_transfer = any(t.final for t in streamed)
+        t_planned = time.monotonic()
         self._group_items = [GroupSend(self._step, i, list(g), streamed,
-                                       event=_new_event(self._device_type))
+                                       event=_new_event(self._device_type),
+                                       announces_end=ends_transfer and i == len(groups) - 2,
+                                       layers_through=g[-1] + 1, num_layers=num_layers,
+                                       t_planned=t_planned)
                              for i, g in enumerate(groups)]
         names = self._layout.layer_names
         self._group_of_end_layer = {names[g[-1]]: i for i, g in enumerate(groups)}

@@ -7,6 +7,8 @@ Two channels use it:
 * the **data channel**, P worker -> D worker: ``Hello`` (compatibility check) answered by
   ``HelloAck`` / ``Refused``; then ``BlockData`` headers each followed by raw KV bytes,
   ``TransferDone`` / ``TransferAbort``; D answers each finished transfer with ``TransferAck``.
+  ``TransferNearlyDone`` (P's last layer group is being computed) lets an idle D start
+  scheduling the request before the last bytes land (``early_release``).
   When P can write into D's memory itself (``Hello.direct`` lists how: CUDA IPC on one host,
   NIXL, Mooncake), ``HelloAck.exports`` carries what P needs for each (``KVExport`` IPC
   handles, ``NixlExport`` agent metadata, ``MooncakeExport`` session) and P moves blocks
@@ -29,7 +31,7 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 FRAME_HEADER = struct.Struct("!I")
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
@@ -276,6 +278,16 @@ class TransferDone(msgspec.Struct, tag=True, kw_only=True):
     nbytes: int
 
 
+class TransferNearlyDone(msgspec.Struct, tag=True, kw_only=True):
+    """P rank ``tp_rank`` has sent all of ``transfer_id`` but its final step's last layer group,
+    and expects that group's TransferDone in about ``eta_s`` seconds. A hint: D may report the
+    request to vLLM early, but still waits for TransferDone before the request's forward."""
+
+    transfer_id: str
+    tp_rank: int
+    eta_s: float
+
+
 class TransferAbort(msgspec.Struct, tag=True, kw_only=True):
     """P gives up on ``transfer_id``: D must fail the request."""
 
@@ -293,7 +305,7 @@ class TransferAck(msgspec.Struct, tag=True, kw_only=True):
 
 Message = Union[
     Register, Cancel, RegisterAck, Refused, Hello, HelloAck, BlockData, DirectWrite,
-    WriteGrant, DirectWritten, TransferDone, TransferAbort, TransferAck,
+    WriteGrant, DirectWritten, TransferNearlyDone, TransferDone, TransferAbort, TransferAck,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

@@ -5,6 +5,14 @@ keeps KV memory safe: a transfer's blocks are written only while the transfer is
 transfer is reported to vLLM (finished or failed) only after it is closed and no write into it is
 in progress. After that vLLM may hand the blocks to another request; late frames for a closed
 transfer are read off the wire and dropped.
+
+Early release (``early_release``): when P says a transfer is nearly done
+(``TransferNearlyDone``, with an estimate of when), the worker may report the request to vLLM
+*before* it is closed, so that vLLM's scheduling of it (a few engine-loop hops) overlaps P's last
+layer group. The invariant above then holds through ``wait_early``: the step that runs such a
+request waits, before its forward, until the transfer is closed; if it failed, its blocks are
+reported as load errors in that very step (vLLM then recomputes or fails the request, per
+``kv_load_failure_policy``). Reported early, a transfer is never reported again.
 """
 
 from __future__ import annotations
@@ -36,12 +44,19 @@ class _Incoming:
     expected_ranks: set[int] | None = None
     writers: int = 0
     nbytes: int = 0
+    ready_at: float | None = None
+    """When P expects to be done, less the early-release lead (``on_nearly_done``)."""
+    early: bool = False
+    """Reported to vLLM before it closed (``take_early``)."""
 
 
 class RecvTable:
     def __init__(self, compat: CompatInfo, tp_rank: int, tp_size: int, unknown_wait_s: float,
-                 stats: WorkerStats, tracer: Tracer | None = None):
+                 stats: WorkerStats, tracer: Tracer | None = None, early_lead_s: float = 0.0):
+        """``early_lead_s``: report a nearly done transfer this long before P expects to finish
+        (``take_early``)."""
         self.tp_rank = tp_rank
+        self._early_lead_s = early_lead_s
         self._tracer = tracer or Tracer("", "d", tp_rank)
         self._tp_size = tp_size
         self._compat = compat
@@ -55,6 +70,10 @@ class RecvTable:
         self._finished: set[str] = set()
         self._failed: set[str] = set()
         self._failed_blocks: set[int] = set()
+        self._early_failed: dict[str, tuple[frozenset[int], float]] = {}
+        """req_id -> (blocks, when): transfers reported early that then failed; their blocks
+        become load errors in the step that runs the request (``wait_early``)."""
+        self._load_errors: set[int] = set()
         self.results_ready = threading.Event()
 
     # ----------------------------------------------------------- worker thread
@@ -92,14 +111,63 @@ class RecvTable:
             for tid in [t for t, (_, at) in self._aborted_early.items()
                         if now - at > TOMBSTONE_S]:
                 del self._aborted_early[tid]
+            for req_id in [r for r, (_, at) in self._early_failed.items()
+                           if now - at > TOMBSTONE_S]:
+                del self._early_failed[req_id]  # the request ended before it ran
         return finished, failed
 
-    def drain_failed_blocks(self) -> set[int]:
-        """Block ids of transfers that failed since the last call (vLLM 0.26 reports failures
-        per block: ``get_block_ids_with_load_errors``)."""
+    def drain_failed_blocks(self, request_failures: bool) -> set[int]:
+        """Block ids for ``get_block_ids_with_load_errors`` since the last call: those of
+        early-reported requests whose transfer failed and which run in this step (always), and,
+        with ``request_failures`` (vLLM 0.26, which has no request-level report), those of every
+        other failed transfer."""
         with self._cond:
-            blocks, self._failed_blocks = self._failed_blocks, set()
-        return blocks
+            blocks, self._load_errors = self._load_errors, set()
+            failed, self._failed_blocks = self._failed_blocks, set()
+        return blocks | failed if request_failures else blocks
+
+    # ----------------------------------------------------------- early release
+    def next_early_at(self) -> float | None:
+        """When the next open transfer becomes ready to report early (None: none is)."""
+        with self._cond:
+            times = [inc.ready_at for inc in self._open.values()
+                     if inc.ready_at is not None and not inc.early]
+        return min(times, default=None)
+
+    def take_early(self, now: float) -> set[str]:
+        """Requests of open transfers whose ``ready_at`` has come: reported now, marked early
+        (they are not reported again when they close)."""
+        with self._cond:
+            ready = [inc for inc in self._open.values()
+                     if not inc.early and inc.ready_at is not None and inc.ready_at <= now]
+            for inc in ready:
+                inc.early = True
+                self._tracer.event("recv_early", transfer_id=inc.transfer_id, req_id=inc.req_id)
+        return {inc.req_id for inc in ready}
+
+    def wait_early(self, req_ids: Sequence[str], timeout: float) -> None:
+        """Before the forward of a step that runs ``req_ids`` (their first step after being
+        reported): wait until every one of them reported early is closed; one still open after
+        ``timeout`` is failed. A failed one's blocks become load errors of this step."""
+        deadline = time.monotonic() + timeout
+        wanted = set(req_ids)
+        with self._cond:
+            while True:
+                waiting = [inc for inc in self._open.values()
+                           if inc.early and inc.req_id in wanted]
+                if not waiting:
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    for inc in waiting:
+                        self._close_locked(inc, "failed", "prefill said the transfer was "
+                                           f"nearly done, then sent nothing for {timeout:.0f} s")
+                    break
+                self._cond.wait(left)
+            for req_id in wanted:
+                failed = self._early_failed.pop(req_id, None)
+                if failed is not None:
+                    self._load_errors |= failed[0]
 
     def pending(self) -> int:
         with self._cond:
@@ -117,7 +185,15 @@ class RecvTable:
         """outcome: "ok" (all KV arrived), "failed", or "cancelled" (the request ended)."""
         del self._open[inc.transfer_id]
         self._closed[inc.transfer_id] = time.monotonic()
-        if outcome == "cancelled":
+        if inc.early:  # vLLM has it already: only a failure has more to say (wait_early)
+            if outcome == "failed":
+                logger.error("LayerKV transfer %s (request %s, released early) failed: %s",
+                             inc.transfer_id, inc.req_id, reason)
+                self._early_failed[inc.req_id] = (inc.allowed_blocks, time.monotonic())
+                self._stats.record_failed()
+            elif outcome == "ok":
+                self._stats.record_received(inc.nbytes, time.monotonic() - inc.t_expected)
+        elif outcome == "cancelled":
             self._finished.add(inc.req_id)
         elif outcome == "failed":
             logger.error("LayerKV transfer %s (request %s) failed: %s", inc.transfer_id,
@@ -184,6 +260,15 @@ class RecvTable:
             # this source's KV is all here (its writes precede its TransferDone on the
             # connection): it may free its blocks, whether or not other ranks are done
             return TransferAck(transfer_id=transfer_id, ok=True)
+
+    def on_nearly_done(self, transfer_id: str, src_rank: int, eta_s: float) -> None:
+        with self._cond:
+            inc = self._open.get(transfer_id)
+            if inc is None or inc.early:
+                return
+            ready_at = time.monotonic() + eta_s - self._early_lead_s
+            inc.ready_at = ready_at if inc.ready_at is None else min(inc.ready_at, ready_at)
+        self.results_ready.set()  # a worker waiting on an idle step recomputes its wait
 
     def on_abort(self, transfer_id: str, reason: str) -> None:
         with self._cond:

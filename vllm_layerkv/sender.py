@@ -47,6 +47,14 @@ class GroupSend:
     tasks: list[SendTask]
     event: Any = None
     """Device event recorded after the group's last layer (None on CPU)."""
+    announces_end: bool = False
+    """The step's penultimate group, in a step that ends some of ``tasks``: once it is sent,
+    tell D those transfers are nearly done (``TransferNearlyDone``)."""
+    layers_through: int = 0
+    """Layers of the step computed once this group is (for the remaining-time estimate)."""
+    num_layers: int = 0
+    t_planned: float = 0.0
+    """When the worker planned the step (just before the forward; ``time.monotonic``)."""
 
 
 @dataclass
@@ -187,6 +195,14 @@ class Sender:
         if item.event is not None:
             item.event.synchronize()  # KV of this group is written on the device
         t0 = time.monotonic()
+        try:
+            self._write_group(item)
+        finally:
+            if item.announces_end:
+                self._announce_end(item, t0)
+
+    def _write_group(self, item: GroupSend) -> None:
+        t0 = time.monotonic()
         self._tracer.event("group_send_start", step=item.step, group=item.group,
                            layers=len(item.layers))
         by_group = self._layers_by_group(item.layers)
@@ -220,6 +236,36 @@ class Sender:
                 out.in_use = False
         self._tracer.event("group_send_end", step=item.step, group=item.group,
                            seconds=time.monotonic() - t0)
+
+    def _announce_end(self, item: GroupSend, t_computed: float) -> None:
+        """After the penultimate group of a final step: tell each decode rank when the rest is
+        expected, so that an idle D can have vLLM schedule the request meanwhile. The estimate
+        is the step's compute rate so far applied to the layers left, plus this group's send
+        time scaled to the last group (the send may take longer than the compute it follows)."""
+        now = time.monotonic()
+        layers_left = item.num_layers - item.layers_through
+        if layers_left <= 0 or not item.layers_through:
+            return
+        per_layer = max(0.0, t_computed - item.t_planned) / item.layers_through
+        compute_left = per_layer * layers_left - (now - t_computed)
+        send_last = (now - t_computed) * layers_left / max(1, len(item.layers))
+        eta = max(0.0, compute_left) + send_last
+        for task in item.tasks:
+            if not task.final:
+                continue
+            out = self._claim(task.transfer_id)
+            if out is None:
+                continue
+            try:
+                for endpoint in out.endpoints:
+                    self._channel(endpoint).send_nearly_done(task.transfer_id, self._tp_rank,
+                                                             eta)
+                self._tracer.event("nearly_done_sent", transfer_id=task.transfer_id, eta=eta)
+            except TransportError as e:
+                self._set_state(out, "failed", str(e))
+                self._tell_decode_failed(out, str(e))
+            finally:
+                out.in_use = False
 
     def _count(self, out: Outgoing, endpoint: str, t_start: float, nbytes: int) -> None:
         """One transfer operation (a frame, a direct write) to ``endpoint`` is done."""

@@ -59,6 +59,8 @@ class LayerKVWorker:
         self._decode: DecodeWorker | None = None
         self._sender: Sender | None = None
         self._meta: LayerKVMetadata | None = None
+        self._early_release = False
+        """Decode: report nearly done transfers early (config, one KV cache group only)."""
         self._idle_wait = IDLE_WAIT_S
         self._idle_wait_max = (IDLE_WAIT_MAX_S if config.backs_off_when_idle(
             device_type(vllm_config)) else IDLE_WAIT_S)
@@ -91,6 +93,9 @@ class LayerKVWorker:
                                   staging_buffers=self._config.staging_buffers)
             self._prefill = PrefillWorker(self._config, layout, self._sender, self._tracer,
                                           self._stats)
+        # vLLM takes load errors per block only for models with one KV cache group, and a
+        # request reported early can fail only that way (it runs already)
+        self._early_release = self._config.early_release and len(groups) == 1
         if self._is_consumer:
             self._decode = DecodeWorker(self._config, blocks, self._transport, self._compat,
                                         self._tp_rank, self._tp_size, self._stats, self._tracer)
@@ -110,8 +115,8 @@ class LayerKVWorker:
             self._prefill.bind(meta)
         if self._decode is not None:
             self._decode.bind(meta)
-        if meta.trace_first_steps:
-            self._tracer.event("d_step_bound", req_ids=meta.trace_first_steps)
+        if meta.first_steps and self._tracer.enabled:
+            self._tracer.event("d_step_bound", req_ids=meta.first_steps)
 
     def on_layer_saved(self, layer_name: str) -> None:
         if self._prefill is not None:
@@ -120,9 +125,9 @@ class LayerKVWorker:
     def end_step(self) -> None:
         if self._prefill is not None:
             self._prefill.end_step()
-        if self._meta is not None and self._meta.trace_first_steps:
+        if self._meta is not None and self._meta.first_steps and self._tracer.enabled:
             # the forward is launched (on GPU it may still run; sampling follows)
-            self._tracer.event("d_step_launched", req_ids=self._meta.trace_first_steps)
+            self._tracer.event("d_step_launched", req_ids=self._meta.first_steps)
         self._tracer.flush()
 
     def clear(self) -> None:
@@ -144,16 +149,22 @@ class LayerKVWorker:
             sending = self._prefill.finished_sending()
         if self._decode is not None:
             waited = waited or (wait > 0 and self._decode.pending())
-            recving, failed = self._decode.results(wait)
+            # early release only while nothing else runs here: the step that runs the
+            # request waits for its last group before the forward, and would hold others up
+            recving, failed = self._decode.results(wait, early=idle and self._early_release)
         if not waited or event or sending or recving or failed:
             self._idle_wait = IDLE_WAIT_S
         else:
             self._idle_wait = min(2 * self._idle_wait, self._idle_wait_max)
         return sending, recving, failed
 
-    def failed_blocks(self) -> set[int]:
-        """D blocks of failed transfers since the last call (for vLLM 0.26's per-block report)."""
-        return self._decode.failed_blocks() if self._decode is not None else set()
+    def failed_blocks(self, request_failures: bool) -> set[int]:
+        """D blocks with load errors since the last call (``get_block_ids_with_load_errors``):
+        early-reported requests whose transfer failed, and with ``request_failures`` (vLLM
+        0.26) every failed transfer."""
+        if self._decode is None:
+            return set()
+        return self._decode.failed_blocks(request_failures)
 
     def stats(self) -> LayerKVStats | None:
         return self._stats.take()

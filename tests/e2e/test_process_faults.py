@@ -1,7 +1,8 @@
 """Failures that need servers of their own: a prefill or decode process killed (SIGKILL) while
 KV streams, a decode instance whose KV layout does not match the prefill's, and
-kv_load_failure_policy=recompute after a failed transfer. Each test starts its own P + D (no
-reference, ~1 min on CPU) beside the shared e2e cluster."""
+kv_load_failure_policy=recompute after a failed transfer (also one that fails after D released
+the request early). Each test starts its own P + D (no reference, ~1 min on CPU) beside the
+shared e2e cluster."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ LONG_PROMPT = make_prompt(2800, 31)  # ~3,100 tokens: ~12 chunks of 256 on P
 def start_pair(tmp_path: Path, **spec_kw) -> PDCluster:
     spec = ClusterSpec(model=model_path("smollm2"), workdir=tmp_path, with_reference=False,
                        prefill_extra={"registration_timeout_s": 6, "ack_timeout_s": 20},
-                       decode_extra={"kv_wait_timeout_s": 45},
+                       decode_extra={"kv_wait_timeout_s": 45,
+                                     **spec_kw.pop("decode_extra", {})},
                        connector_env={faults.ENV: "1"}, **spec_kw)
     return PDCluster(spec).start()
 
@@ -95,6 +97,26 @@ def test_recompute_policy_serves_the_request_after_a_failed_transfer(tmp_path: P
         local = cluster.decode.completion(prompt, 12)["choices"][0]["text"]
         assert d["data"]["choices"][0]["text"] == local
         assert "injected write fault" in cluster.decode.log_path.read_text()
+        assert_idle(cluster, "decode", "prefill")
+    finally:
+        cluster.stop()
+
+
+def test_transfer_failing_after_early_release_is_recomputed(tmp_path: Path) -> None:
+    """D released the request early (P said its last group was coming) and then the last group
+    failed: vLLM gets the request's blocks as load errors in the step that runs it and, with
+    kv_load_failure_policy=recompute, recomputes it; the answer equals D's own."""
+    cluster = start_pair(tmp_path, decode_kv_config={"kv_load_failure_policy": "recompute"},
+                         decode_extra={"early_release_lead_ms": 1000})
+    try:
+        prompt = make_prompt(300, 35)
+        d, _ = cluster.prefill_and_decode(faults.LATE_WRITE_FAULT_PREFIX + uuid.uuid4().hex,
+                                          prompt, max_tokens=12)
+        assert d["status"] == 200, d
+        local = cluster.decode.completion(prompt, 12)["choices"][0]["text"]
+        assert d["data"]["choices"][0]["text"] == local
+        log = cluster.decode.log_path.read_text()
+        assert "released early) failed" in log and "injected write fault" in log
         assert_idle(cluster, "decode", "prefill")
     finally:
         cluster.stop()

@@ -89,12 +89,12 @@ class DSide:
 def start_d(dtype: torch.dtype = torch.uint8, num_blocks: int = NUM_BLOCKS,
             block_bytes: int = BLOCK_BYTES, info: CompatInfo | None = None,
             unknown_wait_s: float = UNKNOWN_WAIT_S, io_timeout: float = 5.0,
-            transport: str = "tcp") -> DSide:
+            transport: str = "tcp", early_lead_s: float = 0.0) -> DSide:
     caches = make_caches(SENTINEL, dtype, num_blocks=num_blocks, block_bytes=block_bytes)
     layout = KVLayout.from_kv_caches(caches, num_blocks)
     stats = WorkerStats()
     table = RecvTable(info or compat(block_bytes=block_bytes), tp_rank=0, tp_size=1,
-                      unknown_wait_s=unknown_wait_s, stats=stats)
+                      unknown_wait_s=unknown_wait_s, stats=stats, early_lead_s=early_lead_s)
     blocks = HostBlockIO(layout)
     mover = create_transport(transport, blocks, LayerKVConfig(io_timeout_s=io_timeout))
     endpoint = mover.start_receiver("127.0.0.1", 0, table, blocks, io_timeout)

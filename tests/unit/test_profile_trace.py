@@ -79,3 +79,28 @@ def test_without_scheduler_traces_only_the_segments(tmp_path: Path) -> None:
     assert not any(k in row for k in (*profile_trace.P_PARTS, *profile_trace.D_PARTS))
     table = profile_trace.format_table(profile_trace.medians_by_length([row]))
     assert "d_first" in table and "reg_wait" not in table and "d_seen" not in table
+
+
+def test_early_release_counts_d_parts_from_the_close(tmp_path: Path) -> None:
+    """D reported the request (and vLLM saw and scheduled it) while P's last group was still
+    being sent: report = 0, the parts vLLM got through before the close are 0, and the parts
+    still add up to d_first."""
+    traces(tmp_path, schedulers=True)
+    d = [json.loads(line) for line in (tmp_path / "trace.d.0").read_text().splitlines()]
+    for e in d:
+        if e["ev"] == "recv_reported":
+            e["t"] = 10.095  # before recv_closed (10.104)
+        if e["ev"] == "d_step_bound":
+            e["t"] = 10.105  # bind waited for the close
+    write(tmp_path / "trace.d.0", d)
+    write(tmp_path / "trace.dsched.0", [
+        {"ev": "recv_seen", "req_ids": [REQ], "t": 10.097},
+        {"ev": "d_scheduled", "req_ids": [REQ], "t": 10.099},
+    ])
+    [row] = profile_trace.request_breakdowns(tmp_path)
+    assert row["early"] is True
+    assert row["report"] == 0 and row["d_seen"] == 0 and row["d_sched"] == 0
+    assert row["d_bind"] == pytest.approx(1.0, abs=0.01)
+    assert row["d_first"] == pytest.approx(46.0, abs=0.01)
+    parts = sum(row[k] for k in profile_trace.D_PARTS)
+    assert parts == pytest.approx(row["d_first"], abs=0.02)

@@ -6,7 +6,9 @@ Every scenario ends with both schedulers holding no requests and every block fre
 
 from __future__ import annotations
 
+import json
 import queue
+import threading
 import time
 
 import pytest
@@ -734,3 +736,153 @@ def test_idle_backoff_off_leaves_empty_steps_alone(engines) -> None:
     assert max(_empty_step_seconds(p, 5)) < 0.05
     p.scheduler.finish_requests(rp.request_id, RequestStatus.FINISHED_ABORTED)
     p.run_until(p.idle)
+
+
+# ------------------------------------------------------------------------- early release
+
+
+def recv_table(d: Engine):
+    """D's RecvTable (private): where the transport's TransferNearlyDone lands."""
+    return d.worker._worker._decode._table
+
+
+def test_early_release_reports_first_and_the_first_step_waits_for_the_kv(engines) -> None:
+    """P said the transfer is nearly done: D's empty step reports it to vLLM before the KV is
+    complete, and the step that runs the request waits in bind (before the forward) until it
+    is; the request is reported once and decodes on P's KV."""
+    p = engines("kv_producer", P_EXTRA, max_num_batched_tokens=CHUNK)
+    d = engines("kv_consumer", {"early_release_lead_ms": 0})
+    endpoint = p.endpoint
+    shift_block_ids(d)
+    rd = create_request(150, decode_params("t-early", endpoint), max_tokens=3, seed=5)
+    d.scheduler.add_request(rd)
+    d.step()
+    d_blocks = d.block_ids(rd.request_id)
+    recv_table(d).on_nearly_done("t-early", 0, 0.0)  # as P's sender would, before it starts
+    rec = d.step()
+    assert rec.num_scheduled == {}
+    assert rd.request_id in rec.kv_output.finished_recving  # reported with no KV yet
+
+    rp = create_request(150, {"do_remote_decode": True, "transfer_id": "t-early"}, seed=5)
+    delay = 0.3
+
+    def run_prefill() -> None:
+        time.sleep(delay)
+        p.scheduler.add_request(rp)
+        p.run_until(lambda: rp.request_id in p.finished)
+
+    prefill = threading.Thread(target=run_prefill)
+    prefill.start()
+    try:
+        t0 = time.monotonic()
+        rec = d.step()  # vLLM schedules the request's first token; bind waits for P
+        elapsed = time.monotonic() - t0
+    finally:
+        prefill.join(30)
+    assert rec.meta.first_steps == [rd.request_id]
+    assert rec.num_scheduled == {rd.request_id: 1}
+    assert elapsed >= delay, "the first step ran before P had sent the KV"
+    assert not rec.kv_output.invalid_block_ids
+    assert_kv_arrived(d, rd, d_blocks)
+    run_both_until_idle(p, d)
+    assert reported(d, "finished_recving", rd.request_id) == 1
+    assert d.finished[rd.request_id].finish_reason == FinishReason.LENGTH
+    assert rd.num_output_tokens == 3
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_early_released_request_whose_kv_never_comes_follows_the_failure_policy(
+        engines, fake_prefill, policy) -> None:
+    """Reported early, then nothing more from P: the first step fails the transfer after
+    io_timeout_s and reports its blocks as load errors in that step; vLLM then fails the
+    request or recomputes it on D (kv_load_failure_policy)."""
+    server, got = fake_prefill()
+    d = engines("kv_consumer", {"early_release_lead_ms": 0, "io_timeout_s": 0.3},
+                kv_load_failure_policy=policy)
+    rd = create_request(40, decode_params("t-gone", server.endpoint), max_tokens=2)
+    d.scheduler.add_request(rd)
+    d.step()
+    assert isinstance(got.get(timeout=5), Register)
+    d_blocks = d.block_ids(rd.request_id)
+    recv_table(d).on_nearly_done("t-gone", 0, 0.0)
+    assert rd.request_id in d.step().kv_output.finished_recving
+    rec = d.step()
+    assert rec.meta.first_steps == [rd.request_id]
+    assert rec.kv_output.invalid_block_ids == set(d_blocks)
+    assert not rec.kv_output.failed_recving  # it runs already: blocks, not a request report
+
+    d.run_until(d.idle)
+    if policy == "fail":
+        assert d.finished[rd.request_id].finish_reason == FinishReason.ERROR
+        assert rd.num_output_tokens == 0
+    else:
+        assert d.finished[rd.request_id].finish_reason == FinishReason.LENGTH
+        assert rd.num_output_tokens == 2
+    assert_all_empty(d)
+    assert reported(d, "finished_recving", rd.request_id) == 1
+
+
+def test_no_early_release_while_decode_runs_other_requests(engines, fake_prefill) -> None:
+    """A nearly done transfer is not reported while D's steps run other requests (the first
+    step would hold them up while it waits for the last group)."""
+    server, got = fake_prefill()
+    d = engines("kv_consumer", {"early_release_lead_ms": 0})
+    busy = create_request(20, None, max_tokens=50)
+    d.scheduler.add_request(busy)
+    d.step()
+    rd = create_request(40, decode_params("t-busy", server.endpoint), max_tokens=2)
+    d.scheduler.add_request(rd)
+    d.step()
+    assert isinstance(got.get(timeout=5), Register)
+    recv_table(d).on_nearly_done("t-busy", 0, 0.0)
+    for _ in range(5):
+        rec = d.step()
+        assert busy.request_id in rec.num_scheduled
+        assert not rec.kv_output.finished_recving
+    d.scheduler.finish_requests([busy.request_id, rd.request_id], RequestStatus.FINISHED_ABORTED)
+    d.run_until(d.idle)
+    assert_all_empty(d)
+
+
+def test_early_release_off_waits_for_the_whole_transfer(engines, fake_prefill) -> None:
+    server, got = fake_prefill()
+    d = engines("kv_consumer", {"early_release": False})
+    rd = create_request(40, decode_params("t-off", server.endpoint), max_tokens=2)
+    d.scheduler.add_request(rd)
+    d.step()
+    assert isinstance(got.get(timeout=5), Register)
+    recv_table(d).on_nearly_done("t-off", 0, 0.0)
+    for _ in range(3):
+        assert not d.step().kv_output.finished_recving
+    d.scheduler.finish_requests([rd.request_id], RequestStatus.FINISHED_ABORTED)
+    d.run_until(d.idle)
+    assert_all_empty(d)
+
+
+def test_prefill_announces_the_end_after_the_penultimate_group_of_the_last_chunk(
+        engines, tmp_path) -> None:
+    """P's sender sends TransferNearlyDone once per transfer: in the last chunk's step, right
+    after the penultimate layer group (groups of 3 of 8 layers: after group 1)."""
+    trace = tmp_path / "trace"
+    p = engines("kv_producer", {**P_EXTRA, "trace_path": str(trace)},
+                max_num_batched_tokens=CHUNK)
+    d = engines("kv_consumer")
+    rd = create_request(150, decode_params("t-nearly", p.endpoint), max_tokens=2, seed=3)
+    d.scheduler.add_request(rd)
+    d.step()
+    rp = create_request(150, {"do_remote_decode": True, "transfer_id": "t-nearly"}, seed=3)
+    p.scheduler.add_request(rp)
+    p.run_until(lambda: rp.request_id in p.finished, others=(d,))
+    run_both_until_idle(p, d)
+
+    events = [json.loads(line) for line in (tmp_path / "trace.p.0").read_text().splitlines()]
+    final_step = next(e["step"] for e in events
+                      if e["ev"] == "step_plan" and e["final"] == ["t-nearly"])
+    order = [(e["ev"], e.get("step"), e.get("group")) for e in events
+             if e["ev"] in ("group_send_end", "group_send_start", "nearly_done_sent")]
+    nearly = [i for i, (ev, _, _) in enumerate(order) if ev == "nearly_done_sent"]
+    assert len(nearly) == 1
+    assert order[nearly[0] - 1] == ("group_send_end", final_step, 1)
+    assert order[nearly[0] + 1] == ("group_send_start", final_step, 2)
+    eta = next(e["eta"] for e in events if e["ev"] == "nearly_done_sent")
+    assert 0 <= eta < 5

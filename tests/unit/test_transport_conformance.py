@@ -6,7 +6,9 @@ whose ``RecvTable`` decides what may be written; every test checks the bytes in 
 
 Covered: byte exactness and acks, block lists of every shape (tiny, scattered, large),
 ordering across chunks, interleaved and concurrent transfers, refusals, aborts and failures on
-either side. CUDA IPC runs the same grant protocol; it is tested on GPUs (tests/gpu/) and with
+either side, and early release (``TransferNearlyDone``: D reports the request before the last
+group lands, then waits for it; a failure after that becomes a load error of the step that runs
+the request). CUDA IPC runs the same grant protocol; it is tested on GPUs (tests/gpu/) and with
 a host double (test_transport_direct.py).
 
 NIXL and Mooncake are optional dependencies (``vllm-layerkv[nixl]``, ``[mooncake-cpu]``); the
@@ -25,6 +27,7 @@ import pytest
 import torch
 from kv_sides import (
     BLOCK_BYTES,
+    SENTINEL,
     NUM_BLOCKS,
     NUM_LAYERS,
     PEER,
@@ -39,7 +42,7 @@ from kv_sides import (
 from vllm_layerkv.blockio import block_runs
 from vllm_layerkv.config import LayerKVConfig
 from vllm_layerkv.metadata import Peer, RecvTask, SendTask
-from vllm_layerkv.sender import AbortTransfer
+from vllm_layerkv.sender import AbortTransfer, FinishTransfer, GroupSend
 from vllm_layerkv.transport import faults
 from vllm_layerkv.transport.nixl import MAX_COALESCED_RUNS
 
@@ -468,3 +471,118 @@ def test_layers_sharing_memory_are_registered_once(transport: str) -> None:
                       num_blocks=NUM_BLOCKS, block_bytes=BLOCK_BYTES, device=torch.device("cpu"))
     mover = create_transport(transport, HostBlockIO(layout))
     mover.shutdown()
+
+
+# ------------------------------------------------------------------------------ early release
+
+
+def wait_until(pred, timeout: float = TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def announce_first_group(p, d, tid: str, req_id: str, src: list[int], dst: list[int]):
+    """P computed and sent the first of two groups of a final step and said the rest is near;
+    the caller sends the second group (or not)."""
+    t = task(tid, d, src, dst, req_id=req_id)
+    p.sender.outgoing(t)
+    p.sender.put(GroupSend(step=1, group=0, layers=[0, 1], tasks=[t], announces_end=True,
+                           layers_through=2, num_layers=NUM_LAYERS,
+                           t_planned=time.monotonic() - 0.02))
+    wait_until(lambda: d.table.next_early_at() is not None)
+    return t
+
+
+def test_nearly_done_lets_decode_report_early_then_wait_for_the_rest(d_side, p_side) -> None:
+    d, p = d_side(early_lead_s=0.0), p_side()
+    src, dst = [3, 4, 5], [10, 11, 12]
+    d.table.expect(RecvTask("r", "t", dst))
+    t = announce_first_group(p, d, "t", "r", src, dst)
+    # P's estimate: ~20 ms of compute for 2 layers -> ~20 ms for the other 2 (plus send time)
+    eta = d.table.next_early_at() - time.monotonic()
+    assert 0 < eta < 1.0, eta
+    assert d.table.take_early(time.monotonic() - 1) == set()  # not before its time
+    assert d.table.take_early(time.monotonic() + 1) == {"r"}
+    assert d.table.take_early(time.monotonic() + 1) == set()  # once
+    assert d.table.next_early_at() is None
+
+    waited = threading.Event()
+    waiter = threading.Thread(target=lambda: (d.table.wait_early(["r"], TIMEOUT), waited.set()))
+    waiter.start()
+    time.sleep(0.2)
+    assert not waited.is_set(), "the first step of an early request ran without its KV"
+    p.sender.put(GroupSend(step=1, group=1, layers=[2, 3], tasks=[t]))
+    p.sender.put(FinishTransfer(t, t_compute_end=time.monotonic()))
+    waiter.join(TIMEOUT)
+    assert waited.is_set()
+    assert p.wait_state("t", ["acked", "failed"]).state == "acked"
+    assert_copied(p, d, list(zip(src, dst)))
+    assert d.table.drain() == (set(), set())  # reported early, never again
+    assert d.table.drain_failed_blocks(request_failures=True) == set()
+    assert d.stats.take().data["transfers_received"] == 1
+
+
+def test_failure_after_early_release_is_a_load_error_of_the_step_that_runs_it(
+        d_side, p_side, monkeypatch) -> None:
+    """The last group's write fails after D reported the request: no request-level report
+    (vLLM runs it already); its blocks are load errors of the step that runs it, not before."""
+    monkeypatch.setattr(faults, "ENABLED", True)
+    d, p = d_side(), p_side()
+    tid = faults.LATE_WRITE_FAULT_PREFIX + "1"
+    dst = [20, 21]
+    d.table.expect(RecvTask("r", tid, dst))
+    t = announce_first_group(p, d, tid, "r", [1, 2], dst)
+    assert d.table.take_early(time.monotonic() + 1) == {"r"}
+    p.sender.put(GroupSend(step=1, group=1, layers=[2, 3], tasks=[t]))
+    p.sender.put(FinishTransfer(t, t_compute_end=time.monotonic()))
+    out = p.wait_state(tid, ["acked", "failed"])
+    assert out.state == "failed" and "injected write fault" in out.reason
+    wait_until(lambda: d.table.pending() == 0)  # D closed it on P's abort
+    assert d.table.drain() == (set(), set())
+    assert d.table.drain_failed_blocks(request_failures=True) == set()  # not yet: not running
+    d.table.wait_early(["r"], TIMEOUT)  # the request's first step
+    assert d.table.drain_failed_blocks(request_failures=False) == set(dst)
+    assert d.stats.take().data["transfers_failed"] == 1
+    # layers 0-1 of the first group landed before the fault; layers 2-3 never did
+    views = d.layout.host_block_views()
+    assert all((views[layer][b] == SENTINEL).all() for layer in (2, 3) for b in dst)
+
+
+def test_early_request_whose_rest_never_comes_fails_after_the_wait(d_side, p_side) -> None:
+    d, p = d_side(), p_side()
+    d.table.expect(RecvTask("r", "t", [5]))
+    announce_first_group(p, d, "t", "r", [1], [5])
+    assert d.table.take_early(time.monotonic() + 1) == {"r"}
+    t0 = time.monotonic()
+    d.table.wait_early(["r"], 0.3)
+    assert 0.25 < time.monotonic() - t0 < 3
+    assert d.table.pending() == 0
+    assert d.table.drain_failed_blocks(request_failures=False) == {5}
+    assert d.table.drain() == (set(), set())
+    # P's late TransferDone is answered as dropped
+    p.sender.put(FinishTransfer(task("t", d, [1], [5], req_id="r"), t_compute_end=0.0))
+    out = p.wait_state("t", ["acked", "failed"])
+    assert out.state == "failed" and "decode no longer waits" in out.reason
+
+
+def test_early_request_that_ends_is_not_reported_again(d_side, p_side) -> None:
+    d, p = d_side(), p_side()
+    d.table.expect(RecvTask("r", "t", [6]))
+    announce_first_group(p, d, "t", "r", [2], [6])
+    assert d.table.take_early(time.monotonic() + 1) == {"r"}
+    d.table.close("t", failed=False, reason="aborted")  # D's request ended
+    assert d.table.drain() == (set(), set())
+    d.table.wait_early(["r"], 0.1)
+    assert d.table.drain_failed_blocks(request_failures=True) == set()
+
+
+def test_nearly_done_for_a_closed_or_unknown_transfer_is_ignored(d_side) -> None:
+    d = d_side()
+    d.table.on_nearly_done("nobody", 0, 0.0)
+    d.table.expect(RecvTask("r", "t", [1]))
+    d.table.close("t", failed=False, reason="aborted")
+    d.table.on_nearly_done("t", 0, 0.0)
+    assert d.table.next_early_at() is None
+    assert d.table.take_early(time.monotonic() + 1) == set()

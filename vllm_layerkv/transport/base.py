@@ -56,6 +56,11 @@ class SendChannel(ABC):
         raise TransportError(f"{type(self).__name__} cannot send head slices")
 
     @abstractmethod
+    def send_nearly_done(self, transfer_id: str, tp_rank: int, eta_s: float) -> None:
+        """Hint (``TransferNearlyDone``): only the last layer group is still to come, in about
+        ``eta_s`` seconds. Ordered with the writes; it completes nothing."""
+
+    @abstractmethod
     def send_done(self, transfer_id: str, tp_rank: int, frames: int, nbytes: int) -> None: ...
 
     @abstractmethod
@@ -84,6 +89,9 @@ class ReceiveSink(Protocol):
     def on_done(self, transfer_id: str, src_rank: int, src_tp: int, frames: int,
                 nbytes: int) -> TransferAck | None:
         """A source finished; returns the ack to send back once D is done with it."""
+
+    def on_nearly_done(self, transfer_id: str, src_rank: int, eta_s: float) -> None:
+        """A source expects to finish in about ``eta_s`` seconds (a hint)."""
 
     def on_abort(self, transfer_id: str, reason: str) -> None: ...
 

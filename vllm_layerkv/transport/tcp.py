@@ -28,6 +28,7 @@ import logging
 import queue
 import socket
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 import msgspec
@@ -44,6 +45,7 @@ from vllm_layerkv.protocol import (
     TransferAbort,
     TransferAck,
     TransferDone,
+    TransferNearlyDone,
     WriteGrant,
 )
 from vllm_layerkv.staging import RecvRing, StagingError, scatter
@@ -92,6 +94,8 @@ class TcpSendChannel(SendChannel):
         D waiting out kv_wait_timeout_s for a channel that was never opened."""
         self._grants: queue.SimpleQueue[WriteGrant | None] = queue.SimpleQueue()
         self._seq = 0
+        self._late_faults: set[str] = set()
+        """Test faults (faults.py): transfers whose writes fail from now on."""
         self._reader = threading.Thread(
             target=self._read_acks, name=f"layerkv-acks-{endpoint}", daemon=True
         )
@@ -128,7 +132,9 @@ class TcpSendChannel(SendChannel):
     def _check_writable(self, transfer_id: str) -> None:
         if self._refusal:
             raise TransportError(self._refusal)
-        if faults.write_fails(transfer_id):
+        if transfer_id in self._late_faults:
+            time.sleep(faults.LATE_FAULT_DELAY_S)
+        if faults.write_fails(transfer_id) or transfer_id in self._late_faults:
             raise TransportError(f"injected write fault for {transfer_id} ({faults.ENV})")
 
     def _write_direct(self, transfer_id: str, layers: Sequence[int], src_blocks: Sequence[int],
@@ -218,11 +224,19 @@ class TcpSendChannel(SendChannel):
             raise TransportError(reason)
         return grant
 
+    def send_nearly_done(self, transfer_id: str, tp_rank: int, eta_s: float) -> None:
+        self._send(TransferNearlyDone(transfer_id=transfer_id, tp_rank=tp_rank,
+                                      eta_s=max(0.0, eta_s)))
+        if faults.late_write_fails(transfer_id):
+            self._late_faults.add(transfer_id)
+
     def send_done(self, transfer_id: str, tp_rank: int, frames: int, nbytes: int) -> None:
+        self._late_faults.discard(transfer_id)
         self._send(TransferDone(transfer_id=transfer_id, tp_rank=tp_rank, frames=frames,
                                 nbytes=nbytes))
 
     def send_abort(self, transfer_id: str, reason: str) -> None:
+        self._late_faults.discard(transfer_id)
         self._send(TransferAbort(transfer_id=transfer_id, reason=reason))
 
     def close(self) -> None:
@@ -235,7 +249,8 @@ class TcpSendChannel(SendChannel):
             pass
         self._sock.close()
 
-    def _send(self, msg: TransferDone | TransferAbort | DirectWrite | DirectWritten) -> None:
+    def _send(self, msg: TransferNearlyDone | TransferDone | TransferAbort | DirectWrite
+              | DirectWritten) -> None:
         try:
             framing.send_message(self._sock, msg)
         except OSError as e:
@@ -438,6 +453,8 @@ class TcpTransport(Transport):
                                        msg.nbytes)
                     if ack is not None and not faults.ack_dropped(msg.transfer_id):
                         framing.send_message(conn, ack)
+                elif isinstance(msg, TransferNearlyDone):
+                    sink.on_nearly_done(msg.transfer_id, msg.tp_rank, msg.eta_s)
                 elif isinstance(msg, TransferAbort):
                     sink.on_abort(msg.transfer_id, msg.reason)
                 else:
