@@ -746,6 +746,17 @@ def recv_table(d: Engine):
     return d.worker._worker._decode._table
 
 
+def park_nearly_done(d: Engine, server, got, tid: str):
+    """A decode request for ``tid`` registered with the fake prefill ``server`` and parked for
+    its KV, for which P's TransferNearlyDone (due now) has arrived and nothing else."""
+    rd = create_request(40, decode_params(tid, server.endpoint), max_tokens=2)
+    d.scheduler.add_request(rd)
+    d.step()
+    assert isinstance(got.get(timeout=5), Register)
+    recv_table(d).on_nearly_done(tid, 0, 0.0)
+    return rd
+
+
 def test_early_release_reports_first_and_the_first_step_waits_for_the_kv(engines) -> None:
     """P said the transfer is nearly done: D's empty step reports it to vLLM before the KV is
     complete, and the step that runs the request waits in bind (before the forward) until it
@@ -799,12 +810,8 @@ def test_early_released_request_whose_kv_never_comes_follows_the_failure_policy(
     server, got = fake_prefill()
     d = engines("kv_consumer", {"early_release_lead_ms": 0, "io_timeout_s": 0.3},
                 kv_load_failure_policy=policy)
-    rd = create_request(40, decode_params("t-gone", server.endpoint), max_tokens=2)
-    d.scheduler.add_request(rd)
-    d.step()
-    assert isinstance(got.get(timeout=5), Register)
+    rd = park_nearly_done(d, server, got, "t-gone")
     d_blocks = d.block_ids(rd.request_id)
-    recv_table(d).on_nearly_done("t-gone", 0, 0.0)
     assert rd.request_id in d.step().kv_output.finished_recving
     rec = d.step()
     assert rec.meta.first_steps == [rd.request_id]
@@ -830,11 +837,7 @@ def test_no_early_release_while_decode_runs_other_requests(engines, fake_prefill
     busy = create_request(20, None, max_tokens=50)
     d.scheduler.add_request(busy)
     d.step()
-    rd = create_request(40, decode_params("t-busy", server.endpoint), max_tokens=2)
-    d.scheduler.add_request(rd)
-    d.step()
-    assert isinstance(got.get(timeout=5), Register)
-    recv_table(d).on_nearly_done("t-busy", 0, 0.0)
+    rd = park_nearly_done(d, server, got, "t-busy")
     for _ in range(5):
         rec = d.step()
         assert busy.request_id in rec.num_scheduled
@@ -847,11 +850,7 @@ def test_no_early_release_while_decode_runs_other_requests(engines, fake_prefill
 def test_early_release_off_waits_for_the_whole_transfer(engines, fake_prefill) -> None:
     server, got = fake_prefill()
     d = engines("kv_consumer", {"early_release": False})
-    rd = create_request(40, decode_params("t-off", server.endpoint), max_tokens=2)
-    d.scheduler.add_request(rd)
-    d.step()
-    assert isinstance(got.get(timeout=5), Register)
-    recv_table(d).on_nearly_done("t-off", 0, 0.0)
+    rd = park_nearly_done(d, server, got, "t-off")
     for _ in range(3):
         assert not d.step().kv_output.finished_recving
     d.scheduler.finish_requests([rd.request_id], RequestStatus.FINISHED_ABORTED)
