@@ -196,13 +196,14 @@ class Sender:
             item.event.synchronize()  # KV of this group is written on the device
         t0 = time.monotonic()
         try:
-            self._write_group(item)
+            self._write_group(item, t0)
         finally:
             if item.announces_end:
                 self._announce_end(item, t0)
 
-    def _write_group(self, item: GroupSend) -> None:
-        t0 = time.monotonic()
+    def _write_group(self, item: GroupSend, t0: float) -> None:
+        """Every task's layers of this group, to every decode rank it feeds (``t0``: when the
+        group was ready on the device)."""
         self._tracer.event("group_send_start", step=item.step, group=item.group,
                            layers=len(item.layers))
         by_group = self._layers_by_group(item.layers)
