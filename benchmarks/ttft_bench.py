@@ -15,7 +15,10 @@ Configurations (``--configs``):
   layerkv-tcp  same with transport=tcp (KV through pinned host memory and a TCP socket)
   layerkv-noearly   same with early_release=false (D reports a request only once its KV is in)
   layerkv-nixl      same with transport=nixl (UCX's default transports: CUDA IPC between GPUs)
-  layerkv-nixl-tcp  same with transport=nixl and UCX_TLS=tcp,cuda_copy,self (like nixl-tcp)
+  layerkv-nixl-tcp  same with transport=nixl and UCX_TLS=tcp,cuda_copy,self (like nixl-tcp);
+                    host_bounce (auto) then moves KV through pinned host memory
+  layerkv-nixl-tcp-direct  same with host_bounce=off (UCX moves GPU memory itself, over tcp)
+  layerkv-mooncake-bounce  layerkv-mooncake with host_bounce=on
   layerkv-mooncake  same with transport=mooncake (Mooncake TransferEngine, protocol tcp)
 Any P/D configuration takes a TP suffix -tpP-tpD (P's and D's --tensor-parallel-size), e.g.
   layerkv-tp2-tp1, layerkv-tp4-tp2, nixl-tp2-tp4, layerkv-tcp-tp2-tp1; LayerKV ones also
@@ -168,7 +171,11 @@ LAYERKV_CONFIGS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
     "layerkv-noearly": ({"early_release": False}, {}),
     "layerkv-nixl": ({"transport": "nixl"}, {}),
     "layerkv-nixl-tcp": ({"transport": "nixl"}, {"UCX_TLS": "tcp,cuda_copy,self"}),
+    "layerkv-nixl-tcp-direct": ({"transport": "nixl", "host_bounce": "off"},
+                                {"UCX_TLS": "tcp,cuda_copy,self"}),
     "layerkv-mooncake": ({"transport": "mooncake", "mooncake_protocol": "tcp"}, {}),
+    "layerkv-mooncake-bounce": ({"transport": "mooncake", "mooncake_protocol": "tcp",
+                                 "host_bounce": "on"}, {}),
 }
 TRANSFER_COUNTERS = ("vllm:layerkv_groups_sent", "vllm:layerkv_transfers_sent",
                      "vllm:layerkv_bytes_sent")

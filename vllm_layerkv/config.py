@@ -49,6 +49,16 @@ class LayerKVConfig:
     UCX worker. LayerKV's WRITEs carry one descriptor per layer and run of blocks, too few to be
     split: measured on an H200 over UCX tcp, 4 threads moved 0.48-0.51 GB/s against 0.44-0.47
     for one worker, so the default stays 0."""
+    host_bounce: str = "auto"
+    """NIXL / Mooncake with KV on a GPU: move each layer group through pinned host memory
+    (P copies it into a registered host buffer, the engine writes that into a receive ring in
+    D's host memory, D copies it into its blocks) instead of handing GPU memory to the engine.
+    For engine paths that cannot move GPU memory well: NIXL with UCX over tcp moved KV at
+    0.47 GB/s from GPU to GPU, where it moves host memory at several GB/s. "on" / "off";
+    "auto": on for NIXL when ``UCX_TLS`` is set and names no transport that reaches GPU
+    memory itself (RDMA, CUDA IPC, gdr_copy), e.g. ``tcp,cuda_copy,self``; off otherwise and
+    for Mooncake. Takes effect when both P and D have it on; D then holds ``recv_ring_slots``
+    x ``staging_buffer_mb`` of pinned host memory for the ring."""
     mooncake_protocol: str = "tcp"
     """transport mooncake/auto: the TransferEngine protocol, "tcp" or "rdma"."""
     mooncake_device: str = ""
@@ -196,6 +206,8 @@ class LayerKVConfig:
         need(bool(self.host), "host must not be empty")
         need(1 <= self.staging_buffer_mb <= 4096,
              f"staging_buffer_mb={self.staging_buffer_mb} must be between 1 and 4096 (MiB)")
+        need(self.host_bounce in ("auto", "on", "off"),
+             f"host_bounce={self.host_bounce!r}: use auto, on or off")
         need(self.idle_backoff in ("auto", "on", "off"),
              f"idle_backoff={self.idle_backoff!r}: use auto, on or off")
         for name in ("staging_buffers", "recv_ring_slots"):

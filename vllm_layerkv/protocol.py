@@ -31,7 +31,7 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 FRAME_HEADER = struct.Struct("!I")
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
@@ -187,11 +187,14 @@ class NixlExport(msgspec.Struct, tag="nixl", kw_only=True):
     block_bytes: int
     layer_addrs: list[int]
     ring_addr: int = 0
-    """D's receive ring for head slices, registered with the agent (offered to a sender with
-    another TP size; ``agent_metadata`` then covers it): slot ``s`` is at ``ring_addr + s *
-    ring_slot_bytes``."""
+    """D's receive ring, registered with the agent (offered to a sender with another TP size,
+    or to every sender with ``host_bounce``; ``agent_metadata`` then covers it): slot ``s`` is
+    at ``ring_addr + s * ring_slot_bytes``."""
     ring_slots: int = 0
     ring_slot_bytes: int = 0
+    ring_in_host: bool = False
+    """The ring is in D's (pinned) host memory: ``host_bounce`` is on for D, and P may send
+    whole blocks through it too."""
 
 
 class MooncakeExport(msgspec.Struct, tag="mooncake", kw_only=True):
@@ -204,9 +207,10 @@ class MooncakeExport(msgspec.Struct, tag="mooncake", kw_only=True):
     block_bytes: int
     layer_addrs: list[int]
     ring_addr: int = 0
-    """D's receive ring for head slices, registered with the engine (as in ``NixlExport``)."""
+    """D's receive ring, registered with the engine (as in ``NixlExport``)."""
     ring_slots: int = 0
     ring_slot_bytes: int = 0
+    ring_in_host: bool = False
 
 
 DirectExport = Union[KVExport, NixlExport, MooncakeExport]
@@ -245,10 +249,12 @@ class DirectWrite(msgspec.Struct, tag=True, kw_only=True):
     dst_blocks: list[int]
     first_head: int = 0
     num_heads: int = 0
-    """Non-zero: a head slice (mismatched TP). P writes ``nbytes`` of gathered slices into
-    the receive-ring slot D grants, and D scatters them into ``dst_blocks`` on
-    ``DirectWritten``."""
+    """Non-zero: the write goes through D's receive ring (a head slice with mismatched TP,
+    or whole blocks with ``host_bounce``). P writes ``nbytes`` of gathered slices into the
+    ring slot D grants, and D scatters them into ``dst_blocks`` on ``DirectWritten``."""
     nbytes: int = 0
+    plane: str = ""
+    """For a ring write: the plane P writes with (D may have a ring per plane)."""
 
 
 class WriteGrant(msgspec.Struct, tag=True, kw_only=True):

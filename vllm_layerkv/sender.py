@@ -220,7 +220,7 @@ class Sender:
                         if not src:
                             continue
                         t = time.monotonic()
-                        if route.whole_block:
+                        if route.whole_block and not channel.bounces:
                             self._count(out, endpoint, t, channel.write_blocks(
                                 task.transfer_id, layers, src, dst))
                         else:
@@ -279,11 +279,12 @@ class Sender:
     def _send_slices(self, out: Outgoing, endpoint: str, channel: SendChannel,
                      layers: list[int], src: list[int], dst: list[int],
                      route: tp.Route) -> None:
-        """A route's head slice of ``layers`` x blocks: one transfer per staging buffer's worth
-        (or, with ``tp_staging`` off, one per (layer, block))."""
+        """A route's head slice of ``layers`` x blocks (whole blocks through a channel that
+        ``bounces``): one transfer per staging buffer's worth (or, with ``tp_staging`` off and
+        TP different, one per (layer, block))."""
         pool = self._staging_pool()
         per_block = self._blocks.slice_bytes(route.num_heads)
-        if self._tp_staging:
+        if self._tp_staging or route.whole_block:
             parts = staging.pieces(len(layers), len(src), per_block, pool.buffer_bytes)
         else:
             parts = [(slice(i, i + 1), slice(j, j + 1))
@@ -308,8 +309,8 @@ class Sender:
             count, nbytes = self._staging_shape
             device = self._blocks.tensors[0].device
             self._staging = staging.StagingPool(count, nbytes, device)
-            logger.info("LayerKV: staging buffers for head slices, %d x %d MiB on %s", count,
-                        nbytes >> 20, device)
+            logger.info("LayerKV: staging buffers for head slices or host_bounce, %d x %d MiB "
+                        "on %s", count, nbytes >> 20, device)
         return self._staging
 
     def _layers_by_group(self, layers: list[int]) -> list[tuple[int, list[int]]]:

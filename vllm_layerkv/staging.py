@@ -144,17 +144,20 @@ class StagingPool:
 
 
 class RecvRing:
-    """D side: ``slots`` receive slots of ``slot_bytes`` in one tensor on the KV's device, for
-    direct planes that write head slices (one export, addressed by slot). D grants a free slot
-    per write and frees it only after scattering the slot into its blocks, so P never writes
-    over bytes not yet scattered; with every slot busy, the grant waits (back-pressure)."""
+    """D side: ``slots`` receive slots of ``slot_bytes`` in one tensor, for direct planes that
+    write through it (one export, addressed by slot): on the KV's device for head slices, in
+    pinned host memory for ``host_bounce``. D grants a free slot per write and frees it only
+    after scattering the slot into its blocks, so P never writes over bytes not yet scattered;
+    with every slot busy, the grant waits (back-pressure)."""
 
-    def __init__(self, slots: int, slot_bytes: int, device: torch.device | str):
+    def __init__(self, slots: int, slot_bytes: int, device: torch.device | str,
+                 pin_memory: bool = False):
         if slots < 1 or slot_bytes < 1:
             raise StagingError("a receive ring needs at least one slot of at least one byte")
         self.slots = slots
         self.slot_bytes = slot_bytes
-        self.tensor = torch.empty(slots, slot_bytes, dtype=torch.uint8, device=device)
+        self.tensor = torch.empty(slots, slot_bytes, dtype=torch.uint8, device=device,
+                                  pin_memory=pin_memory)
         self._free = list(range(slots))
         self._cond = threading.Condition()
         self.waits = 0

@@ -126,7 +126,8 @@ def run_p(spec: dict, endpoint: str) -> None:
     channel = next(iter(sender._channels.values()), None)
     print(json.dumps({"states": states, "seconds": seconds, "nbytes": nbytes,
                       "gbps": nbytes / seconds / 1e9, "transport": transport.name,
-                      "direct": bool(getattr(channel, "direct", False))}), flush=True)
+                      "direct": bool(getattr(channel, "direct", False)),
+                      "bounces": bool(getattr(channel, "bounces", False))}), flush=True)
     sender.shutdown()
     transport.shutdown()
 

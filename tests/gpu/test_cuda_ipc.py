@@ -118,22 +118,43 @@ def test_nixl_over_ucx_tcp_byte_exact() -> None:
     assert_exact(d_res, 1)
 
 
-def nixl_over_ucx_tcp_2gib(threads: int) -> None:
+def nixl_over_ucx_tcp_2gib(threads: int, host_bounce: str) -> None:
     """16K tokens of KV (1,000 blocks x 32 layers = 2 GiB) in 8 layer groups over UCX tcp."""
     p_res, d_res = run_pair("nixl", [contiguous(1000, 0, 10)],
                             env_extra={"UCX_TLS": "tcp,cuda_copy,self"},
-                            config={"nixl_num_threads": threads})
+                            config={"nixl_num_threads": threads, "host_bounce": host_bounce})
     assert p_res["direct"]
+    # "auto" bounces here: this UCX_TLS leaves UCX no transport that reaches GPU memory
+    assert p_res["bounces"] == (host_bounce != "off")
     assert_exact(d_res, 1)
 
 
 def test_nixl_over_ucx_tcp_one_worker() -> None:
-    nixl_over_ucx_tcp_2gib(0)
+    nixl_over_ucx_tcp_2gib(0, "off")
 
 
 def test_nixl_over_ucx_tcp_thread_pool() -> None:
     """NIXL's thread-pool UCX engine (nixl_num_threads=4, NixlConnector's default)."""
-    nixl_over_ucx_tcp_2gib(4)
+    nixl_over_ucx_tcp_2gib(4, "off")
+
+
+def test_nixl_over_ucx_tcp_through_host_memory() -> None:
+    """``host_bounce`` (auto): UCX moves pinned host memory, LayerKV copies to and from the
+    GPUs."""
+    nixl_over_ucx_tcp_2gib(0, "auto")
+
+
+def test_mooncake_tcp_through_host_memory() -> None:
+    p_res, d_res = run_pair("mooncake", [contiguous(1000, 0, 10)],
+                            config={"host_bounce": "on"})
+    assert p_res["direct"] and p_res["bounces"]
+    assert_exact(d_res, 1)
+
+
+def test_mooncake_tcp_2gib() -> None:
+    p_res, d_res = run_pair("mooncake", [contiguous(1000, 0, 10)])
+    assert p_res["direct"] and not p_res["bounces"]
+    assert_exact(d_res, 1)
 
 
 def test_mooncake_tcp_byte_exact() -> None:

@@ -86,6 +86,19 @@ class DSide:
             self.table.results_ready.wait(0.05)
 
 
+def transport_config(transport: str, config: LayerKVConfig | None = None
+                     ) -> tuple[str, LayerKVConfig]:
+    """A test transport id -> (``transport`` setting, config): ``"nixl+bounce"`` is NIXL with
+    ``host_bounce`` on (whole blocks through D's receive ring in host memory)."""
+    name, _, variant = transport.partition("+")
+    config = config or LayerKVConfig()
+    if variant == "bounce":
+        config = config.replace(host_bounce="on")
+    elif variant:
+        raise ValueError(f"unknown test transport variant {transport!r}")
+    return name, config
+
+
 def start_d(dtype: torch.dtype = torch.uint8, num_blocks: int = NUM_BLOCKS,
             block_bytes: int = BLOCK_BYTES, info: CompatInfo | None = None,
             unknown_wait_s: float = UNKNOWN_WAIT_S, io_timeout: float = 5.0,
@@ -96,7 +109,8 @@ def start_d(dtype: torch.dtype = torch.uint8, num_blocks: int = NUM_BLOCKS,
     table = RecvTable(info or compat(block_bytes=block_bytes), tp_rank=0, tp_size=1,
                       unknown_wait_s=unknown_wait_s, stats=stats, early_lead_s=early_lead_s)
     blocks = HostBlockIO(layout)
-    mover = create_transport(transport, blocks, LayerKVConfig(io_timeout_s=io_timeout))
+    name, config = transport_config(transport, LayerKVConfig(io_timeout_s=io_timeout))
+    mover = create_transport(name, blocks, config)
     endpoint = mover.start_receiver("127.0.0.1", 0, table, blocks, io_timeout)
     return DSide(table, mover, endpoint, layout, stats)
 
@@ -137,7 +151,8 @@ def start_p(transport: str, engine_id: str = "prefill-0", dtype: torch.dtype = t
     hello = Hello(compat=info or compat(block_bytes=block_bytes), engine_id=engine_id,
                   tp_rank=0, tp_size=tp_size)
     blocks = HostBlockIO(layout)
-    sender = Sender(create_transport(transport, blocks, config), blocks, hello, tp_rank=0,
+    name, config = transport_config(transport, config)
+    sender = Sender(create_transport(name, blocks, config), blocks, hello, tp_rank=0,
                     connect_timeout=2.0, io_timeout=5.0, stats=stats, tracer=Tracer("", "p", 0))
     return PSide(sender, layout, stats, engine_id)
 

@@ -263,7 +263,9 @@ def test_a_full_receive_ring_delays_grants_and_loses_nothing(cluster, transport)
     c = cluster(transport, 4, 2, 1, staging_bytes=8 << 10, ring_slots=1)
     # the ring is made when the first sender connects; make it now and hold its one slot for
     # a moment, so that the first grant has to wait for it whatever the threads' timing
-    ring = c.d[0].transport._ring_for(SimpleNamespace(tensors=[torch.empty(0)]))
+    d_transport = c.d[0].transport
+    ring = d_transport._ring_for(SimpleNamespace(tensors=[torch.empty(0)]),
+                                 d_transport._planes[0], tp_differs=True)
     held = ring.acquire(1, 1.0)
     threading.Timer(0.3, ring.release, [held]).start()
     src, dst = list(range(BLOCKS)), list(range(BLOCKS))[::-1]

@@ -1,6 +1,7 @@
 """What every transport must do, run against each one: ``tcp`` (bytes over LayerKV's
 socket), ``nixl`` (NIXL WRITEs over UCX) and ``mooncake`` (Mooncake TransferEngine over tcp),
-all on CPU memory in this process. The same prefill ``Sender`` pushes KV into a decode receiver
+and both engines again with ``host_bounce`` on (``+bounce``: every layer group through D's
+receive ring in host memory), all on CPU memory in this process. The same prefill ``Sender`` pushes KV into a decode receiver
 whose ``RecvTable`` decides what may be written; every test checks the bytes in D's KV memory
 (pre-filled with a sentinel, so a stray write shows up).
 
@@ -37,6 +38,7 @@ from kv_sides import (
     assert_sentinel,
     push,
     task,
+    transport_config,
 )
 
 from vllm_layerkv.blockio import block_runs
@@ -46,7 +48,8 @@ from vllm_layerkv.sender import AbortTransfer, FinishTransfer, GroupSend
 from vllm_layerkv.transport import faults
 from vllm_layerkv.transport.nixl import MAX_COALESCED_RUNS
 
-TRANSPORTS = os.environ.get("LAYERKV_TEST_TRANSPORTS", "tcp,nixl,mooncake").split(",")
+TRANSPORTS = os.environ.get("LAYERKV_TEST_TRANSPORTS",
+                            "tcp,nixl,mooncake,nixl+bounce,mooncake+bounce").split(",")
 
 
 @pytest.fixture(params=TRANSPORTS)
@@ -469,8 +472,37 @@ def test_layers_sharing_memory_are_registered_once(transport: str) -> None:
     layout = KVLayout(layer_names=[f"l{i}" for i in range(3)],
                       tensors=[v.view(NUM_BLOCKS, BLOCK_BYTES) for v in views],
                       num_blocks=NUM_BLOCKS, block_bytes=BLOCK_BYTES, device=torch.device("cpu"))
-    mover = create_transport(transport, HostBlockIO(layout))
+    name, config = transport_config(transport)
+    mover = create_transport(name, HostBlockIO(layout), config)
     mover.shutdown()
+
+
+def test_whole_blocks_go_through_the_ring_only_with_host_bounce(d_side, p_side, transport,
+                                                                 monkeypatch) -> None:
+    """``host_bounce`` on: every layer group is written into a slot of D's host ring, which D
+    scatters; off: straight into the KV (the ring is for head slices only)."""
+    from vllm_layerkv.staging import RecvRing
+
+    granted: list[int] = []
+    acquire = RecvRing.acquire
+
+    def counting_acquire(ring: RecvRing, nbytes: int, timeout: float) -> int:
+        assert ring.tensor.device.type == "cpu"
+        granted.append(nbytes)
+        return acquire(ring, nbytes, timeout)
+
+    monkeypatch.setattr(RecvRing, "acquire", counting_acquire)
+    d, p = d_side(), p_side()
+    src, dst = [5, 6, 7, 30], [1, 2, 3, 4]
+    d.table.expect(RecvTask("r", "t", dst))
+    push(p, [task("t", d, src, dst, req_id="r")])
+    assert p.wait_state("t", ["acked", "failed"]).state == "acked"
+    assert d.drain_until(lambda f, x: bool(f or x)) == ({"r"}, set())
+    assert_copied(p, d, list(zip(src, dst)))
+    if transport.endswith("+bounce"):
+        assert granted == [2 * len(src) * BLOCK_BYTES] * 2  # one slot per group of 2 layers
+    else:
+        assert granted == []
 
 
 # ------------------------------------------------------------------------------ early release

@@ -9,6 +9,7 @@ itself: CUDA IPC between GPUs of one host (``cuda_ipc.py``), NIXL (``nixl.py``),
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING
 
 from vllm_layerkv.blockio import BlockIO
@@ -82,13 +83,43 @@ def _make_plane(name: str, blocks: BlockIO, config: LayerKVConfig) -> DirectPlan
 
         nixl_api()  # the install hint before anything else
         return NixlPlane(blocks.tensors, backends=config.nixl_backends.split(","),
-                         io_timeout=config.io_timeout_s, num_threads=config.nixl_num_threads)
+                         io_timeout=config.io_timeout_s, num_threads=config.nixl_num_threads,
+                         host_bounce=_host_bounce(name, blocks, config))
     if name == "mooncake":
         from vllm_layerkv.transport.mooncake import MooncakePlane
 
         return MooncakePlane(blocks.tensors, host=config.host, protocol=config.mooncake_protocol,
-                             device=config.mooncake_device)
+                             device=config.mooncake_device,
+                             host_bounce=_host_bounce(name, blocks, config))
     raise DirectUnavailable(f"no direct plane named {name!r}")
+
+
+def host_bounce_for(plane: str, setting: str, kv_device: str, nixl_backends: str,
+                    ucx_tls: str | None) -> tuple[bool, str]:
+    """``host_bounce`` resolved for a network plane, and why (logged at start). "auto" bounces
+    only NIXL over UCX when ``UCX_TLS`` leaves UCX no transport that reaches GPU memory: UCX
+    then stages GPU memory through host buffers itself, slowly (0.47 GB/s on an H200 over
+    tcp). Mooncake's tcp path stages through host memory itself, and its rdma path reaches GPU
+    memory, so "auto" leaves it alone."""
+    if setting != "auto":
+        return setting == "on", f"host_bounce={setting}"
+    if kv_device != "cuda":
+        return False, "the KV is in host memory"
+    if plane != "nixl":
+        return False, f"{plane} moves GPU memory itself"
+    if [b.strip() for b in nixl_backends.split(",")] != ["UCX"]:
+        return False, f"nixl_backends={nixl_backends} (decided for UCX only)"
+    from vllm_layerkv.transport.nixl import ucx_reaches_gpu
+
+    reaches, why = ucx_reaches_gpu(ucx_tls)
+    return not reaches, why
+
+
+def _host_bounce(plane: str, blocks: BlockIO, config: LayerKVConfig) -> bool:
+    on, why = host_bounce_for(plane, config.host_bounce, blocks.tensors[0].device.type,
+                              config.nixl_backends, os.environ.get("UCX_TLS"))
+    logger.info("LayerKV %s: host_bounce %s (%s)", plane, "on" if on else "off", why)
+    return on
 
 
 __all__ = ["TRANSPORTS", "ReceiveSink", "SendChannel", "Transport", "TransportError",

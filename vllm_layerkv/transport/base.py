@@ -55,6 +55,12 @@ class SendChannel(ABC):
         moved; blocks until ``staging`` may be reused."""
         raise TransportError(f"{type(self).__name__} cannot send head slices")
 
+    @property
+    def bounces(self) -> bool:
+        """Whole blocks, too, go through ``write_slices`` (with every head): the channel moves
+        them through pinned host memory (``host_bounce``)."""
+        return False
+
     @abstractmethod
     def send_nearly_done(self, transfer_id: str, tp_rank: int, eta_s: float) -> None:
         """Hint (``TransferNearlyDone``): only the last layer group is still to come, in about

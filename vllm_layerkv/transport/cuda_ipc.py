@@ -98,6 +98,8 @@ def export_kv(blocks: Sequence[torch.Tensor]) -> KVExport:
 class PeerKV(PeerWriter):
     """P side: D's KV mapped into this process, and the stream P copies into it on."""
 
+    plane = "cuda_ipc"
+
     def __init__(self, export: KVExport, local: Sequence[torch.Tensor]):
         if export.host_id != host_id():
             raise DirectUnavailable(f"decode runs on another host ({export.host_id})")

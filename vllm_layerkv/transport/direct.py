@@ -15,6 +15,12 @@ When P and D use different TP, D also offers its receive ring (``staging.RecvRin
 export, and P's ``write_staged`` gathers a head slice into a staging buffer and writes it into
 the ring slot D granted; D scatters the slot into its blocks when P reports the write.
 
+``host_bounce`` (NIXL, Mooncake, KV on GPUs): the engine never touches GPU memory. D's ring is
+in pinned host memory and offered to every sender; P sends whole blocks through it as well,
+gathering a layer group on its GPU and copying it into a registered pinned host buffer, which
+the engine writes into D's ring slot; D copies the slot to its GPU and scatters it. For engine
+paths that move host memory far faster than GPU memory (UCX over tcp).
+
 Planes: ``cuda_ipc.py`` (same host, KV on CUDA), ``nixl.py`` (NIXL agents: UCX, libfabric...),
 ``mooncake.py`` (Mooncake TransferEngine, tcp or rdma).
 """
@@ -32,7 +38,7 @@ import msgspec
 import torch
 
 from vllm_layerkv.protocol import DirectExport, Hello
-from vllm_layerkv.staging import RecvRing, StagingError, gather
+from vllm_layerkv.staging import RecvRing, StagingError, gather, slice_bytes
 
 logger = logging.getLogger("vllm.layerkv.transport.direct")
 
@@ -124,6 +130,13 @@ class PeerWriter(ABC):
     """Slots of the peer's receive ring this writer can reach (0: it cannot write head slices,
     which then go as bytes over the control connection)."""
 
+    host_bounce: bool = False
+    """Whole blocks go through the peer's host ring too (``write_staged`` with every head):
+    set when ``host_bounce`` is on here and the peer offered its ring in host memory."""
+
+    plane: str = ""
+    """The plane's name, sent with each ring write (D may hold a ring per plane)."""
+
     def write_staged(self, local_heads: int, layers: Sequence[int], src_blocks: Sequence[int],
                      src_head: int, num_heads: int, staging: torch.Tensor, slot: int) -> int:
         """Gather a head slice of every (layer, block) into ``staging`` and write it into slot
@@ -144,7 +157,8 @@ class AddressedPeer(PeerWriter):
     def __init__(self, plane: str, layer_addrs: Sequence[int], num_blocks: int,
                  block_bytes: int, local: Sequence[torch.Tensor],
                  register_staging: Callable[[torch.Tensor], None], ring_addr: int = 0,
-                 ring_slots: int = 0, ring_slot_bytes: int = 0):
+                 ring_slots: int = 0, ring_slot_bytes: int = 0, ring_in_host: bool = False,
+                 host_bounce: bool = False):
         if ring_slots and block_bytes != local[0].shape[1]:
             # TP differs: only head slices go, through the ring; the layer count must match
             check_geometry(plane, len(layer_addrs), local[0].shape[1], local)
@@ -163,9 +177,19 @@ class AddressedPeer(PeerWriter):
         self.ring_addr = ring_addr
         self.ring_slots = ring_slots
         self.ring_slot_bytes = ring_slot_bytes
+        self.ring_in_host = ring_in_host
+        self.host_bounce = host_bounce and ring_slots > 0 and ring_in_host
+        if host_bounce and not self.host_bounce:
+            logger.warning("LayerKV %s: host_bounce is on here, but decode offered no receive "
+                           "ring in host memory (is host_bounce on there?); writing KV memory "
+                           "directly", plane)
         device = local[0].device
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         """Where head slices are gathered on a GPU (off vLLM's streams)."""
+        self._host_buf: torch.Tensor | None = None
+        """``host_bounce`` with KV on a GPU: the pinned host buffer the engine writes from
+        (one ring slot's size, allocated and registered on first use; only the sender thread
+        writes)."""
 
     def write(self, layers: Sequence[int], src_blocks: Sequence[int],
               dst_blocks: Sequence[int]) -> int:
@@ -183,35 +207,50 @@ class AddressedPeer(PeerWriter):
     def write_staged(self, local_heads: int, layers: Sequence[int], src_blocks: Sequence[int],
                      src_head: int, num_heads: int, staging: torch.Tensor, slot: int) -> int:
         """Gather the head slices into ``staging`` (on the KV's device), then one write of
-        the filled prefix into ring slot ``slot``."""
+        the filled prefix into ring slot ``slot``; with ``host_bounce`` on a GPU, the engine
+        writes from a pinned host copy of it."""
         if not 0 <= slot < self.ring_slots:
             raise DirectWriteFailed(f"decode granted receive-ring slot {slot}, but offered "
                                     f"{self.ring_slots} slots")
         check_blocks(src_blocks, self.local_blocks)
         try:
+            n = len(layers) * len(src_blocks) * slice_bytes(self.local[0].shape[1], local_heads,
+                                                            num_heads)
+        except StagingError as e:
+            raise DirectWriteFailed(str(e)) from None
+        if n > self.ring_slot_bytes:
+            raise DirectWriteFailed(f"{n} B of slices exceed decode's {self.ring_slot_bytes} B "
+                                    "ring slot")
+        if not n:
+            return 0
+        source = staging
+        try:
             if self._stream is not None:
                 with torch.cuda.stream(self._stream):
                     payload = gather(self.local, layers, src_blocks, src_head, num_heads,
                                      local_heads, staging)
+                    if self.host_bounce:
+                        source = self._host_buffer()
+                        source[:n].copy_(payload, non_blocking=True)
                 self._stream.synchronize()  # the engine reads the buffer from now on
             else:
-                payload = gather(self.local, layers, src_blocks, src_head, num_heads,
-                                 local_heads, staging)
+                gather(self.local, layers, src_blocks, src_head, num_heads, local_heads,
+                       staging)
         except (RuntimeError, StagingError) as e:
             raise DirectWriteFailed(f"gathering head slices failed: {e}") from None
-        n = payload.numel()
-        if n > self.ring_slot_bytes:
-            raise DirectWriteFailed(f"{n} B of head slices exceed decode's "
-                                    f"{self.ring_slot_bytes} B ring slot")
-        if not n:
-            return 0
         try:
-            self._register_staging(staging)
+            self._register_staging(source)
         except Exception as e:  # noqa: BLE001 - engines raise their own types
             raise DirectWriteFailed(f"{self.plane}: cannot register the staging buffer: "
                                     f"{e}") from None
-        self.write_span(staging, n, self.ring_addr + slot * self.ring_slot_bytes)
+        self.write_span(source, n, self.ring_addr + slot * self.ring_slot_bytes)
         return n
+
+    def _host_buffer(self) -> torch.Tensor:
+        if self._host_buf is None:
+            self._host_buf = torch.empty(self.ring_slot_bytes, dtype=torch.uint8,
+                                         pin_memory=True)
+        return self._host_buf
 
     @abstractmethod
     def write_runs(self, layers: Sequence[int], runs: list[tuple[int, int, int]],
@@ -221,8 +260,9 @@ class AddressedPeer(PeerWriter):
 
     @abstractmethod
     def write_span(self, buffer: torch.Tensor, nbytes: int, remote_addr: int) -> None:
-        """Move the first ``nbytes`` of ``buffer`` (a staging buffer, already registered) to
-        ``remote_addr`` in the peer's ring and return once they are there (raise
+        """Move the first ``nbytes`` of ``buffer`` (a staging buffer on the KV's device or, with
+        ``host_bounce``, in pinned host memory; already registered) to ``remote_addr`` in the
+        peer's ring (in host memory if ``ring_in_host``) and return once they are there (raise
         DirectWriteFailed otherwise)."""
 
 
@@ -263,10 +303,15 @@ class DirectPlane(ABC):
 class AddressedPlane(DirectPlane):
     """A plane whose engine reaches memory by registered address (NIXL, Mooncake). Besides the
     KV cache it registers, once each and on first need, D's receive ring (offered in the export
-    to senders with another TP) and P's staging buffers (the sender reuses a fixed pool)."""
+    to senders with another TP, or to every sender with ``host_bounce``) and P's staging
+    buffers (the sender reuses a fixed pool; with ``host_bounce`` a pinned host buffer per
+    peer)."""
 
-    def __init__(self, local: Sequence[torch.Tensor]):
+    def __init__(self, local: Sequence[torch.Tensor], host_bounce: bool = False):
         super().__init__(local)
+        self.host_bounce = host_bounce
+        """D: offer a ring in pinned host memory to every sender; P: send whole blocks through
+        such a ring (the ``host_bounce`` setting, resolved for this plane)."""
         self._export: DirectExport | None = None
         """Set by ``prepare``: the KV's export, without a ring."""
         self._ring_export: DirectExport | None = None
@@ -287,17 +332,18 @@ class AddressedPlane(DirectPlane):
                 except Exception as e:  # noqa: BLE001 - engines raise their own types
                     self._ring_refused = str(e)
                     logger.warning("LayerKV %s: cannot register the receive ring (%s); head "
-                                   "slices from prefill ranks with another TP go as bytes",
-                                   self.name, e)
+                                   "slices from prefill ranks with another TP go as bytes, "
+                                   "whole blocks straight into the KV", self.name, e)
                 else:
                     self._ring_export = self.ring_export(ring)
             return self._ring_export or self._export
 
     def ring_export(self, ring: RecvRing) -> DirectExport:
-        """The export with the (registered) ring's address and shape."""
+        """The export with the (registered) ring's address, shape and place."""
         assert self._export is not None
         return msgspec.structs.replace(self._export, ring_addr=ring.tensor.data_ptr(),
-                                       ring_slots=ring.slots, ring_slot_bytes=ring.slot_bytes)
+                                       ring_slots=ring.slots, ring_slot_bytes=ring.slot_bytes,
+                                       ring_in_host=ring.tensor.device.type == "cpu")
 
     def register_staging(self, buffer: torch.Tensor) -> None:
         """P side: make a staging buffer a valid write source (the first time it is used)."""

@@ -13,6 +13,8 @@ not): P writes into D's KV with the Mooncake ``TransferEngine``.
   sender connects, before answering its Hello (P's engine fetches D's segment, registered
   buffers included, on its first write), and offers the ring's address; P registers each
   staging buffer once, on first use, and writes a gathered slice into the granted slot.
+* ``host_bounce`` ("on" only; Mooncake's tcp path stages GPU memory through host buffers
+  itself): the same ring in D's pinned host memory, used for whole blocks too.
 """
 
 from __future__ import annotations
@@ -58,13 +60,15 @@ def transfer_engine() -> Any:
 
 class MooncakePeer(AddressedPeer):
     def __init__(self, engine: Any, export: MooncakeExport, local: Sequence[torch.Tensor],
-                 register_staging: Callable[[torch.Tensor], None]):
+                 register_staging: Callable[[torch.Tensor], None], host_bounce: bool = False):
         super().__init__("mooncake", export.layer_addrs, export.num_blocks, export.block_bytes,
                          local, register_staging, export.ring_addr, export.ring_slots,
-                         export.ring_slot_bytes)
+                         export.ring_slot_bytes, export.ring_in_host, host_bounce)
         self._engine = engine
         self._session = export.session
-        self.description = f"Mooncake {export.protocol}, segment {export.session}"
+        self.description = (f"Mooncake {export.protocol}, segment {export.session}"
+                            + (", through pinned host memory (host_bounce)"
+                               if self.host_bounce else ""))
 
     def write_runs(self, layers: Sequence[int], runs: list[tuple[int, int, int]],
                    src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> None:
@@ -89,8 +93,8 @@ class MooncakePlane(AddressedPlane):
     name = "mooncake"
 
     def __init__(self, local: Sequence[torch.Tensor], host: str, protocol: str = "tcp",
-                 device: str = ""):
-        super().__init__(local)
+                 device: str = "", host_bounce: bool = False):
+        super().__init__(local, host_bounce)
         self._protocol = protocol
         self._engine = transfer_engine()
         rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device)
@@ -114,7 +118,8 @@ class MooncakePlane(AddressedPlane):
 
     def attach(self, export: DirectExport) -> MooncakePeer:
         assert isinstance(export, MooncakeExport)
-        return MooncakePeer(self._engine, export, self.local, self.register_staging)
+        return MooncakePeer(self._engine, export, self.local, self.register_staging,
+                            self.host_bounce)
 
     def register(self, t: torch.Tensor) -> None:
         addr = t.data_ptr()

@@ -16,6 +16,9 @@ IPC, shared memory, TCP...).
   and offers it with fresh agent metadata (a NIXL agent's metadata names its registered
   memory); P registers each staging buffer once, on first use, and writes a gathered slice
   into the granted ring slot with one descriptor.
+* ``host_bounce``: the same ring, in D's pinned host memory and offered to every sender; P
+  writes every layer group into it from a registered pinned host buffer, so UCX moves host
+  memory only (DRAM -> DRAM). ``ucx_reaches_gpu`` decides "auto" from ``UCX_TLS``.
 
 NIXL's Python wrapper starts the agent's progress thread with a 0 us delay, which spins a core
 for ever (measured: 2 agents used 4 s of CPU per 2 s idle). The UCX progress thread waits on
@@ -100,6 +103,29 @@ def _new_agent(name: str, backends: Sequence[str], num_threads: int = 0) -> Any:
     return agent
 
 
+GPU_REACHING_UCX_TLS = ("all", "ib", "rc", "rc_v", "rc_x", "rc_verbs", "rc_mlx5", "dc", "dc_x",
+                        "dc_mlx5", "ud", "ud_v", "ud_x", "ud_verbs", "ud_mlx5", "cuda_ipc",
+                        "gdr_copy", "rocm_ipc", "rocm_gdr")
+"""UCX transports (and aliases) that read or write GPU memory themselves: RDMA (GPUDirect),
+CUDA IPC, gdr_copy. Any other GPU-memory path in UCX goes through its own host staging
+(``cuda_copy``), which is what ``host_bounce`` replaces."""
+
+
+def ucx_reaches_gpu(ucx_tls: str | None) -> tuple[bool, str]:
+    """Whether UCX, configured by ``UCX_TLS``, can move GPU memory without staging it in host
+    memory itself, and why: unset, an exclusion list (``^...``) or any GPU-reaching transport
+    means yes (UCX picks); a list of only host transports (e.g. ``tcp,cuda_copy,self``) no."""
+    if not ucx_tls or not ucx_tls.strip():
+        return True, "UCX_TLS is not set (UCX picks its transports)"
+    if ucx_tls.strip().startswith("^"):
+        return True, f"UCX_TLS={ucx_tls} only excludes transports"
+    names = {t.strip().split(":")[0] for t in ucx_tls.split(",") if t.strip()}
+    reaching = sorted(names & set(GPU_REACHING_UCX_TLS))
+    if reaching:
+        return True, f"UCX_TLS={ucx_tls} includes {','.join(reaching)}"
+    return False, f"UCX_TLS={ucx_tls} names no transport that reaches GPU memory"
+
+
 def _mem(local: Sequence[torch.Tensor]) -> tuple[str, int]:
     dev = local[0].device
     return ("VRAM", dev.index or 0) if dev.type == "cuda" else ("DRAM", 0)
@@ -109,10 +135,11 @@ class NixlPeer(AddressedPeer):
     """P side: one decode rank's KV, reached through this worker's NIXL agent."""
 
     def __init__(self, agent: Any, export: NixlExport, local: Sequence[torch.Tensor],
-                 io_timeout: float, register_staging: Callable[[torch.Tensor], None]):
+                 io_timeout: float, register_staging: Callable[[torch.Tensor], None],
+                 host_bounce: bool = False):
         super().__init__("nixl", export.layer_addrs, export.num_blocks, export.block_bytes,
                          local, register_staging, export.ring_addr, export.ring_slots,
-                         export.ring_slot_bytes)
+                         export.ring_slot_bytes, export.ring_in_host, host_bounce)
         self._agent = agent
         self._export = export
         self._mem, self._dev = _mem(local)
@@ -123,7 +150,9 @@ class NixlPeer(AddressedPeer):
             raise DirectUnavailable(f"nixl: cannot load decode's agent metadata: {e}") from None
         self._remote = remote.decode() if isinstance(remote, bytes) else str(remote)
         self._prepped: tuple[Any, Any] | None = None
-        self.description = (f"NIXL {self._mem}->{export.mem_type}, agent {self._remote}")
+        self.description = (f"NIXL {self._mem}->{export.mem_type}, agent {self._remote}"
+                            + (", through pinned host memory (host_bounce)"
+                               if self.host_bounce else ""))
 
     def write_runs(self, layers: Sequence[int], runs: list[tuple[int, int, int]],
                    src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> None:
@@ -138,11 +167,13 @@ class NixlPeer(AddressedPeer):
 
     def write_span(self, buffer: torch.Tensor, nbytes: int, remote_addr: int) -> None:
         ex, a = self._export, self._agent
+        local_mem, local_dev = _mem([buffer])
+        remote_mem, remote_dev = ("DRAM", 0) if ex.ring_in_host else (ex.mem_type, ex.device_id)
         try:
-            local = np.array([(buffer.data_ptr(), nbytes, self._dev)], dtype=np.uint64)
-            remote = np.array([(remote_addr, nbytes, ex.device_id)], dtype=np.uint64)
-            handle = a.initialize_xfer("WRITE", a.get_xfer_descs(local, self._mem),
-                                       a.get_xfer_descs(remote, ex.mem_type), self._remote)
+            local = np.array([(buffer.data_ptr(), nbytes, local_dev)], dtype=np.uint64)
+            remote = np.array([(remote_addr, nbytes, remote_dev)], dtype=np.uint64)
+            handle = a.initialize_xfer("WRITE", a.get_xfer_descs(local, local_mem),
+                                       a.get_xfer_descs(remote, remote_mem), self._remote)
         except Exception as e:  # noqa: BLE001 - nixl raises its own exception types
             raise DirectWriteFailed(f"nixl: cannot create the head-slice WRITE: {e}") from None
         self._post_and_wait(handle)
@@ -233,8 +264,8 @@ class NixlPlane(AddressedPlane):
     name = "nixl"
 
     def __init__(self, local: Sequence[torch.Tensor], backends: Sequence[str] = ("UCX",),
-                 io_timeout: float = 60.0, num_threads: int = 0):
-        super().__init__(local)
+                 io_timeout: float = 60.0, num_threads: int = 0, host_bounce: bool = False):
+        super().__init__(local, host_bounce)
         self._io_timeout = io_timeout
         self._agent = _new_agent(f"layerkv-{uuid.uuid4().hex[:12]}", backends, num_threads)
         self._mem, self._dev = _mem(self.local)
@@ -260,13 +291,14 @@ class NixlPlane(AddressedPlane):
     def attach(self, export: DirectExport) -> NixlPeer:
         assert isinstance(export, NixlExport)
         return NixlPeer(self._agent, export, self.local, self._io_timeout,
-                        self.register_staging)
+                        self.register_staging, self.host_bounce)
 
     def register(self, t: torch.Tensor) -> None:
         key = (t.data_ptr(), t.numel() * t.element_size())
         if key not in self._extra_regs:
-            self._extra_regs[key] = self._agent.register_memory(
-                [(key[0], key[1], self._dev, "")], self._mem)
+            mem, dev = _mem([t])  # host_bounce buffers and rings are DRAM next to VRAM KV
+            self._extra_regs[key] = self._agent.register_memory([(key[0], key[1], dev, "")],
+                                                                mem)
 
     def shutdown(self) -> None:
         for reg in [self._reg, *self._extra_regs.values()]:

@@ -109,6 +109,10 @@ class TcpSendChannel(SendChannel):
     def direct(self) -> bool:
         return self._writer is not None
 
+    @property
+    def bounces(self) -> bool:
+        return self._writer is not None and self._writer.host_bounce
+
     def write_blocks(self, transfer_id: str, layers: Sequence[int], src_blocks: Sequence[int],
                      dst_blocks: Sequence[int]) -> int:
         if len(src_blocks) != len(dst_blocks):
@@ -193,7 +197,8 @@ class TcpSendChannel(SendChannel):
         nbytes = len(layers) * len(src_blocks) * self._blocks.slice_bytes(num_heads)
         grant = self._ask(DirectWrite(transfer_id=transfer_id, seq=0, layers=list(layers),
                                       dst_blocks=list(dst_blocks), first_head=dst_head,
-                                      num_heads=num_heads, nbytes=nbytes))
+                                      num_heads=num_heads, nbytes=nbytes,
+                                      plane=self._writer.plane))
         if not grant.ok:
             return 0
         written = 0
@@ -291,6 +296,8 @@ class TcpTransport(Transport):
         self._ring_shape = (ring_slots, ring_slot_bytes)
         self._ring: RecvRing | None = None
         """D: where direct planes put head slices (mismatched TP); made on first need."""
+        self._host_ring: RecvRing | None = None
+        """D: the ring in pinned host memory for planes with ``host_bounce`` (every sender)."""
         self._ring_wait_s = 30.0
         self.name = "+".join(["tcp", *(p.name for p in self._planes)])
         self._server: socket.socket | None = None
@@ -407,8 +414,10 @@ class TcpTransport(Transport):
         peer = f"{addr[0]}:{addr[1]}"
         hello: Hello | None = None
         scratch = memoryview(bytearray(SCRATCH_BYTES))
-        granted: dict[int, tuple[DirectWrite, int]] = {}
-        """seq -> (request, ring slot or -1) of direct writes in progress."""
+        granted: dict[int, tuple[DirectWrite, int, RecvRing | None]] = {}
+        """seq -> (request, ring slot or -1, its ring) of direct writes in progress."""
+        rings: dict[str, RecvRing] = {}
+        """plane name -> the receive ring offered to this sender with it."""
         try:
             first = framing.recv_message(conn)
             if not isinstance(first, Hello):
@@ -419,10 +428,18 @@ class TcpTransport(Transport):
                 framing.send_message(conn, Refused(transfer_id="", reason=refusal))
                 return
             hello = first
-            ring = self._ring_for(blocks) if first.tp_size != getattr(sink, "tp_size",
-                                                                      first.tp_size) else None
-            exports = [e for p in self._planes if p.name in first.direct
-                       if (e := p.offer(first, ring)) is not None]
+            tp_differs = first.tp_size != getattr(sink, "tp_size", first.tp_size)
+            exports = []
+            for plane in self._planes:
+                if plane.name not in first.direct:
+                    continue
+                ring = self._ring_for(blocks, plane, tp_differs)
+                export = plane.offer(first, ring)
+                if export is None:
+                    continue
+                exports.append(export)
+                if ring is not None and getattr(export, "ring_slots", 0):
+                    rings[plane.name] = ring
             framing.send_message(conn, HelloAck(tp_rank=getattr(sink, "tp_rank", 0),
                                                 exports=exports))
             while not self._stop.is_set():
@@ -435,15 +452,15 @@ class TcpTransport(Transport):
                                          (hello.engine_id, hello.tp_rank))
                 elif isinstance(msg, DirectWrite) and exports:
                     ok = self._grant(msg, sink, blocks, (hello.engine_id, hello.tp_rank))
-                    slot = -1
+                    slot, ring = -1, rings.get(msg.plane) if msg.num_heads else None
                     if ok and msg.num_heads:
                         slot = self._ring_slot(msg, ring, sink)
                         ok = slot >= 0
                     if ok:
-                        granted[msg.seq] = (msg, slot)
+                        granted[msg.seq] = (msg, slot, ring)
                     framing.send_message(conn, WriteGrant(seq=msg.seq, ok=ok, slot=slot))
                 elif isinstance(msg, DirectWritten) and msg.seq in granted:
-                    request, slot = granted.pop(msg.seq)
+                    request, slot, ring = granted.pop(msg.seq)
                     nbytes = msg.nbytes
                     if slot >= 0:
                         nbytes = self._scatter_slot(request, slot, nbytes, ring, blocks)
@@ -469,26 +486,31 @@ class TcpTransport(Transport):
                 self._conns.discard(conn)
             conn.close()
 
-    def _release_grants(self, granted: dict[int, tuple[DirectWrite, int]],
+    def _release_grants(self, granted: dict[int, tuple[DirectWrite, int, RecvRing | None]],
                         sink: ReceiveSink) -> None:
         """The connection ended with writes granted: they are over. P closes its socket only
         between writes (its sender thread owns both), and the writes of a P that died die with
         it (its CUDA context, its NIXL / Mooncake engine)."""
-        for request, slot in granted.values():
-            if slot >= 0 and self._ring is not None:
-                self._ring.release(slot)
+        for request, slot, ring in granted.values():
+            if slot >= 0 and ring is not None:
+                ring.release(slot)
             sink.end_write(request.transfer_id, 0)
         granted.clear()
 
     # ------------------------------------------------------------------ D side, head slices
-    def _ring_for(self, blocks: BlockIO) -> RecvRing | None:
-        """The receive ring, made when the first sender with another TP size connects (equal
-        TP never pays for it); None when no plane here could export it, and, with
-        ``transport=auto``, when the KV is in host memory: head slices then go as bytes on this
-        connection (zero-copy from and into the KV there). Engine rings in host memory run only
-        when an engine is named: in CI's 2-core vLLM runs they stalled at times, unexplained
-        (docs/architecture.md, "What is NOT in this version")."""
-        if not self._planes:
+    def _ring_for(self, blocks: BlockIO, plane: DirectPlane, tp_differs: bool
+                  ) -> RecvRing | None:
+        """The receive ring to offer a sender with ``plane``: for a plane with
+        ``host_bounce``, the host ring (every sender); else the ring on the KV's device, made
+        when the first sender with another TP size connects (equal TP never pays for it).
+        None when the plane needs no ring, and, with ``transport=auto``, when the KV is in
+        host memory: head slices then go as bytes on this connection (zero-copy from and into
+        the KV there). Engine rings in host memory run only when an engine is named: in CI's
+        2-core vLLM runs they stalled at times, unexplained (docs/architecture.md, "What is NOT
+        in this version")."""
+        if getattr(plane, "host_bounce", False):
+            return self._bounce_ring(blocks)
+        if not tp_differs:
             return None
         if not self._required and blocks.tensors[0].device.type != "cuda":
             return None
@@ -499,6 +521,17 @@ class TcpTransport(Transport):
                 logger.info("LayerKV: receive ring for head slices, %d slots x %d MiB",
                             slots, slot_bytes >> 20)
             return self._ring
+
+    def _bounce_ring(self, blocks: BlockIO) -> RecvRing:
+        """The ring in host memory (pinned when the KV is on a GPU) for ``host_bounce``."""
+        with self._lock:
+            if self._host_ring is None:
+                slots, slot_bytes = self._ring_shape
+                self._host_ring = RecvRing(slots, slot_bytes, "cpu",
+                                           pin_memory=blocks.tensors[0].device.type == "cuda")
+                logger.info("LayerKV: receive ring in host memory for host_bounce, %d slots x "
+                            "%d MiB", slots, slot_bytes >> 20)
+            return self._host_ring
 
     def _ring_slot(self, msg: DirectWrite, ring: RecvRing | None, sink: ReceiveSink) -> int:
         """A free slot for a head-slice write, waiting for one (back-pressure); -1 (and the
@@ -521,12 +554,15 @@ class TcpTransport(Transport):
             if nbytes != request.nbytes:
                 return 0
             payload = ring.view(slot, nbytes)
-            if payload.device.type == "cuda":
-                stream = _scatter_stream(payload.device)
+            device = blocks.tensors[0].device
+            if device.type == "cuda":
+                stream = _scatter_stream(device)
                 with torch.cuda.stream(stream):
+                    if payload.device != device:  # host_bounce: the ring is pinned host memory
+                        payload = payload.to(device, non_blocking=True)
                     scatter(payload, blocks.tensors, request.layers, request.dst_blocks,
                             request.first_head, request.num_heads, blocks.local_heads)
-                stream.synchronize()
+                stream.synchronize()  # before the slot is freed and the write reported
             else:
                 scatter(payload, blocks.tensors, request.layers, request.dst_blocks,
                         request.first_head, request.num_heads, blocks.local_heads)
