@@ -150,9 +150,9 @@ class NixlPeer(AddressedPeer):
             raise DirectUnavailable(f"nixl: cannot load decode's agent metadata: {e}") from None
         self._remote = remote.decode() if isinstance(remote, bytes) else str(remote)
         self._prepped: tuple[Any, Any] | None = None
-        self.description = (f"NIXL {self._mem}->{export.mem_type}, agent {self._remote}"
-                            + (", through pinned host memory (host_bounce)"
-                               if self.host_bounce else ""))
+        self.description = (f"NIXL DRAM->DRAM, agent {self._remote}, KV in {self._mem} through "
+                            "pinned host memory (host_bounce)" if self.host_bounce else
+                            f"NIXL {self._mem}->{export.mem_type}, agent {self._remote}")
 
     def write_runs(self, layers: Sequence[int], runs: list[tuple[int, int, int]],
                    src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> None:
