@@ -158,7 +158,8 @@ class AddressedPeer(PeerWriter):
                  block_bytes: int, local: Sequence[torch.Tensor],
                  register_staging: Callable[[torch.Tensor], None], ring_addr: int = 0,
                  ring_slots: int = 0, ring_slot_bytes: int = 0, ring_in_host: bool = False,
-                 host_bounce: bool = False):
+                 host_bounce: bool = False,
+                 host_staging: Callable[[int], torch.Tensor] | None = None):
         if ring_slots and block_bytes != local[0].shape[1]:
             # TP differs: only head slices go, through the ring; the layer count must match
             check_geometry(plane, len(layer_addrs), local[0].shape[1], local)
@@ -186,10 +187,9 @@ class AddressedPeer(PeerWriter):
         device = local[0].device
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         """Where head slices are gathered on a GPU (off vLLM's streams)."""
-        self._host_buf: torch.Tensor | None = None
-        """``host_bounce`` with KV on a GPU: the pinned host buffer the engine writes from
-        (one ring slot's size, allocated and registered on first use; only the sender thread
-        writes)."""
+        self._host_staging = host_staging
+        """The plane's ``host_staging``: ``host_bounce`` with KV on a GPU, the registered pinned
+        host buffer the engine writes from."""
 
     def write(self, layers: Sequence[int], src_blocks: Sequence[int],
               dst_blocks: Sequence[int]) -> int:
@@ -224,13 +224,19 @@ class AddressedPeer(PeerWriter):
         if not n:
             return 0
         source = staging
+        if self.host_bounce and self._stream is not None:
+            assert self._host_staging is not None
+            try:
+                source = self._host_staging(self.ring_slot_bytes)
+            except Exception as e:  # noqa: BLE001 - engines raise their own types
+                raise DirectWriteFailed(f"{self.plane}: cannot make or register the host "
+                                        f"staging buffer: {e}") from None
         try:
             if self._stream is not None:
                 with torch.cuda.stream(self._stream):
                     payload = gather(self.local, layers, src_blocks, src_head, num_heads,
                                      local_heads, staging)
-                    if self.host_bounce:
-                        source = self._host_buffer()
+                    if source is not staging:  # host_bounce: the engine reads host memory
                         source[:n].copy_(payload, non_blocking=True)
                 self._stream.synchronize()  # the engine reads the buffer from now on
             else:
@@ -245,12 +251,6 @@ class AddressedPeer(PeerWriter):
                                     f"{e}") from None
         self.write_span(source, n, self.ring_addr + slot * self.ring_slot_bytes)
         return n
-
-    def _host_buffer(self) -> torch.Tensor:
-        if self._host_buf is None:
-            self._host_buf = torch.empty(self.ring_slot_bytes, dtype=torch.uint8,
-                                         pin_memory=True)
-        return self._host_buf
 
     @abstractmethod
     def write_runs(self, layers: Sequence[int], runs: list[tuple[int, int, int]],
@@ -319,6 +319,9 @@ class AddressedPlane(DirectPlane):
         """Why the receive ring could not be registered (head slices then go as bytes)."""
         self._lock = threading.Lock()
         """Serialises registrations: D's connection threads, P's sender thread."""
+        self._host_staging: torch.Tensor | None = None
+        self._retired: list[torch.Tensor] = []
+        """Outgrown host staging buffers, still registered (see ``host_staging``)."""
 
     def offer(self, hello: Hello, ring: RecvRing | None = None) -> DirectExport | None:
         """The export; with ``ring`` (the sender's TP differs) the ring is registered the
@@ -349,6 +352,22 @@ class AddressedPlane(DirectPlane):
         """P side: make a staging buffer a valid write source (the first time it is used)."""
         with self._lock:
             self.register(buffer)
+
+    def host_staging(self, nbytes: int) -> torch.Tensor:
+        """P side, ``host_bounce`` on a GPU: a pinned host buffer of at least ``nbytes``,
+        registered with the engine. One per worker (only its sender thread writes, one peer at
+        a time), made on first use and kept for the plane's life: a buffer per peer would leave
+        a registration behind at every reconnect. Grown for a decode with larger ring slots;
+        the smaller one stays alive (and registered) until shutdown, since an engine
+        registration must not outlive its memory."""
+        with self._lock:
+            if self._host_staging is None or self._host_staging.numel() < nbytes:
+                buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+                self.register(buf)
+                if self._host_staging is not None:
+                    self._retired.append(self._host_staging)
+                self._host_staging = buf
+            return self._host_staging
 
     @abstractmethod
     def register(self, t: torch.Tensor) -> None:

@@ -60,10 +60,11 @@ def transfer_engine() -> Any:
 
 class MooncakePeer(AddressedPeer):
     def __init__(self, engine: Any, export: MooncakeExport, local: Sequence[torch.Tensor],
-                 register_staging: Callable[[torch.Tensor], None], host_bounce: bool = False):
+                 register_staging: Callable[[torch.Tensor], None], host_bounce: bool = False,
+                 host_staging: Callable[[int], torch.Tensor] | None = None):
         super().__init__("mooncake", export.layer_addrs, export.num_blocks, export.block_bytes,
                          local, register_staging, export.ring_addr, export.ring_slots,
-                         export.ring_slot_bytes, export.ring_in_host, host_bounce)
+                         export.ring_slot_bytes, export.ring_in_host, host_bounce, host_staging)
         self._engine = engine
         self._session = export.session
         self.description = (f"Mooncake {export.protocol}, segment {export.session}"
@@ -119,7 +120,7 @@ class MooncakePlane(AddressedPlane):
     def attach(self, export: DirectExport) -> MooncakePeer:
         assert isinstance(export, MooncakeExport)
         return MooncakePeer(self._engine, export, self.local, self.register_staging,
-                            self.host_bounce)
+                            self.host_bounce, self.host_staging)
 
     def register(self, t: torch.Tensor) -> None:
         addr = t.data_ptr()

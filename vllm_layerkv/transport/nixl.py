@@ -136,10 +136,11 @@ class NixlPeer(AddressedPeer):
 
     def __init__(self, agent: Any, export: NixlExport, local: Sequence[torch.Tensor],
                  io_timeout: float, register_staging: Callable[[torch.Tensor], None],
-                 host_bounce: bool = False):
+                 host_bounce: bool = False,
+                 host_staging: Callable[[int], torch.Tensor] | None = None):
         super().__init__("nixl", export.layer_addrs, export.num_blocks, export.block_bytes,
                          local, register_staging, export.ring_addr, export.ring_slots,
-                         export.ring_slot_bytes, export.ring_in_host, host_bounce)
+                         export.ring_slot_bytes, export.ring_in_host, host_bounce, host_staging)
         self._agent = agent
         self._export = export
         self._mem, self._dev = _mem(local)
@@ -291,7 +292,7 @@ class NixlPlane(AddressedPlane):
     def attach(self, export: DirectExport) -> NixlPeer:
         assert isinstance(export, NixlExport)
         return NixlPeer(self._agent, export, self.local, self._io_timeout,
-                        self.register_staging, self.host_bounce)
+                        self.register_staging, self.host_bounce, self.host_staging)
 
     def register(self, t: torch.Tensor) -> None:
         key = (t.data_ptr(), t.numel() * t.element_size())
