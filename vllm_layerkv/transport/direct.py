@@ -304,8 +304,8 @@ class AddressedPlane(DirectPlane):
     """A plane whose engine reaches memory by registered address (NIXL, Mooncake). Besides the
     KV cache it registers, once each and on first need, D's receive ring (offered in the export
     to senders with another TP, or to every sender with ``host_bounce``) and P's staging
-    buffers (the sender reuses a fixed pool; with ``host_bounce`` a pinned host buffer per
-    peer)."""
+    buffers (the sender reuses a fixed pool; with ``host_bounce`` also one pinned host
+    buffer)."""
 
     def __init__(self, local: Sequence[torch.Tensor], host_bounce: bool = False):
         super().__init__(local)
