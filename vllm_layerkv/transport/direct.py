@@ -244,11 +244,12 @@ class AddressedPeer(PeerWriter):
                        staging)
         except (RuntimeError, StagingError) as e:
             raise DirectWriteFailed(f"gathering head slices failed: {e}") from None
-        try:
-            self._register_staging(source)
-        except Exception as e:  # noqa: BLE001 - engines raise their own types
-            raise DirectWriteFailed(f"{self.plane}: cannot register the staging buffer: "
-                                    f"{e}") from None
+        if source is staging:  # the host staging buffer was registered when it was made
+            try:
+                self._register_staging(staging)
+            except Exception as e:  # noqa: BLE001 - engines raise their own types
+                raise DirectWriteFailed(f"{self.plane}: cannot register the staging buffer: "
+                                        f"{e}") from None
         self.write_span(source, n, self.ring_addr + slot * self.ring_slot_bytes)
         return n
 
