@@ -1,14 +1,19 @@
 #!/bin/bash
 # On a lent GPU machine (bundle staged and installed, NIXL and Mooncake included): host_bounce
 # against direct writes of GPU memory, two processes (tests/gpu/test_cuda_ipc.py cases, 2 GiB
-# each, every byte checked), then raw NIXL WRITE rates of pinned host, pageable host and GPU
-# memory over UCX tcp (benchmarks/nixl_host_bw.py). Results under $OUT.
+# each, every byte checked): the bounce with 1, 2 (default) and 3 writes in flight (after a
+# warm-up run that compiles the Triton gather / scatter kernels), direct writes, Mooncake; then
+# raw NIXL WRITE rates of pinned host and GPU memory over UCX tcp (benchmarks/nixl_host_bw.py).
+# Results under $OUT.
 set -uo pipefail
 export PYTHONPATH=$PWD:$HOME/site:$PWD/tests/gpu PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-( cd tests/gpu && LAYERKV_GPU_RESULTS=$OUT/host_bounce.json timeout 300 python3 -c "
+( cd tests/gpu && LAYERKV_GPU_RESULTS=$OUT/host_bounce.json timeout 400 python3 -c "
 import test_cuda_ipc as t
-cases = [t.test_nixl_over_ucx_tcp_through_host_memory, t.test_nixl_over_ucx_tcp_through_host_memory,
+bounce = t.test_nixl_over_ucx_tcp_through_host_memory
+one = t.test_nixl_over_ucx_tcp_through_host_memory_one_write_at_a_time
+three = t.test_nixl_over_ucx_tcp_through_host_memory_three_writes_in_flight
+cases = [bounce, one, bounce, three, one, bounce, three,
          t.test_nixl_over_ucx_tcp_one_worker, t.test_mooncake_tcp_2gib,
          t.test_mooncake_tcp_through_host_memory]
 for f in cases:

@@ -18,6 +18,7 @@ Configurations (``--configs``):
   layerkv-nixl-tcp  same with transport=nixl and UCX_TLS=tcp,cuda_copy,self (like nixl-tcp);
                     host_bounce (auto) then moves KV through pinned host memory
   layerkv-nixl-tcp-direct  same with host_bounce=off (UCX moves GPU memory itself, over tcp)
+  layerkv-nixl-tcp-serial  layerkv-nixl-tcp with writes_in_flight=1 (one bounce piece at a time)
   layerkv-mooncake-bounce  layerkv-mooncake with host_bounce=on
   layerkv-mooncake  same with transport=mooncake (Mooncake TransferEngine, protocol tcp)
 Any P/D configuration takes a TP suffix -tpP-tpD (P's and D's --tensor-parallel-size), e.g.
@@ -172,6 +173,8 @@ LAYERKV_CONFIGS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
     "layerkv-nixl": ({"transport": "nixl"}, {}),
     "layerkv-nixl-tcp": ({"transport": "nixl"}, {"UCX_TLS": "tcp,cuda_copy,self"}),
     "layerkv-nixl-tcp-direct": ({"transport": "nixl", "host_bounce": "off"},
+                                {"UCX_TLS": "tcp,cuda_copy,self"}),
+    "layerkv-nixl-tcp-serial": ({"transport": "nixl", "writes_in_flight": 1},
                                 {"UCX_TLS": "tcp,cuda_copy,self"}),
     "layerkv-mooncake": ({"transport": "mooncake", "mooncake_protocol": "tcp"}, {}),
     "layerkv-mooncake-bounce": ({"transport": "mooncake", "mooncake_protocol": "tcp",

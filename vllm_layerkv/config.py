@@ -129,6 +129,12 @@ class LayerKVConfig:
     staging_buffers: int = 2
     """P: staging buffers per worker, allocated on first use and reused; a sender that finds
     none free waits (up to io_timeout_s), never overwriting data not yet sent."""
+    writes_in_flight: int = 2
+    """P: ring writes (different TP through a direct plane, or ``host_bounce``) a sender keeps
+    in flight per layer group and decode rank: while the engine moves one piece, the next is
+    gathered and posted, and D scatters the one before. Each holds a staging buffer, so the
+    sender uses at most ``staging_buffers``; D's ``recv_ring_slots`` bound it too (D delays
+    grants). 1 = one piece at a time."""
     recv_ring_slots: int = 4
     """D: receive-ring slots per worker for direct planes (CUDA IPC, NIXL, Mooncake) with
     mismatched TP, allocated when the first such prefill rank connects. P writes into a slot
@@ -210,7 +216,7 @@ class LayerKVConfig:
              f"host_bounce={self.host_bounce!r}: use auto, on or off")
         need(self.idle_backoff in ("auto", "on", "off"),
              f"idle_backoff={self.idle_backoff!r}: use auto, on or off")
-        for name in ("staging_buffers", "recv_ring_slots"):
+        for name in ("staging_buffers", "recv_ring_slots", "writes_in_flight"):
             need(1 <= getattr(self, name) <= 64, f"{name}={getattr(self, name)} must be "
                  "between 1 and 64")
 

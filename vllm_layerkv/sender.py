@@ -13,8 +13,10 @@ this thread is not touching its blocks.
 Where it sends is ``tp.routes``: with equal TP, whole blocks to the decode rank of the same
 index; with different TP, each decode rank that needs some of this rank's KV heads gets its
 head slice, gathered per layer group into a staging buffer (``staging.py``) and sent in one
-transfer per (group, rank). A transfer with several decode ranks is acknowledged when every
-one of them acknowledged it, and fails (on all of them) when one fails.
+transfer per (group, rank); through a direct plane's receive ring (and with ``host_bounce``,
+whole blocks too), up to ``writes_in_flight`` such transfers are in flight at once. A transfer
+with several decode ranks is acknowledged when every one of them acknowledged it, and fails
+(on all of them) when one fails.
 """
 
 from __future__ import annotations
@@ -23,8 +25,11 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from vllm_layerkv import staging, tp
 from vllm_layerkv.blockio import BlockIO
@@ -32,7 +37,7 @@ from vllm_layerkv.metadata import Peer, SendTask
 from vllm_layerkv.protocol import Hello, TransferAck
 from vllm_layerkv.stats import WorkerStats
 from vllm_layerkv.trace import Tracer
-from vllm_layerkv.transport.base import SendChannel, Transport, TransportError
+from vllm_layerkv.transport.base import PendingWrite, SendChannel, Transport, TransportError
 
 logger = logging.getLogger("vllm.layerkv.sender")
 
@@ -129,13 +134,16 @@ class Sender:
                  tp_rank: int, connect_timeout: float, io_timeout: float, stats: WorkerStats,
                  tracer: Tracer, layer_groups: list[int] | None = None,
                  final_only_groups: dict[int, str] | None = None, tp_staging: bool = True,
-                 staging_bytes: int = 64 << 20, staging_buffers: int = 2):
+                 staging_bytes: int = 64 << 20, staging_buffers: int = 2,
+                 writes_in_flight: int = 2):
         """``layer_groups``: KV cache group of each layer index (all 0 if None);
         ``final_only_groups``: group -> kind for the groups that send once, at the end
         (sliding window, Mamba state), traced as ``final_group_sent``. ``tp_staging`` and the
-        staging sizes: how head slices go when the decode peer's TP differs (config.py)."""
+        staging sizes: how head slices go when the decode peer's TP differs (config.py);
+        ``writes_in_flight``: ring writes kept in flight (at most one per staging buffer)."""
         self._tp_staging = tp_staging
         self._staging_shape = (staging_buffers, staging_bytes)
+        self._writes_in_flight = max(1, min(writes_in_flight, staging_buffers))
         self._staging: staging.StagingPool | None = None
         """Made on the first head-slice send (equal TP never pays for it)."""
         self._route_cache: dict[int, list[tp.Route]] = {}
@@ -281,7 +289,10 @@ class Sender:
                      route: tp.Route) -> None:
         """A route's head slice of ``layers`` x blocks (whole blocks through a channel that
         ``bounces``): one transfer per staging buffer's worth (or, with ``tp_staging`` off and
-        TP different, one per (layer, block))."""
+        TP different, one per (layer, block)), up to ``writes_in_flight`` of them at once, each
+        in a staging buffer of its own. Every write started is finished, in order, before this
+        returns, also when one fails: a later chunk's writes (which may cover a block again)
+        must land after these."""
         pool = self._staging_pool()
         per_block = self._blocks.slice_bytes(route.num_heads)
         if self._tp_staging or route.whole_block:
@@ -289,20 +300,54 @@ class Sender:
         else:
             parts = [(slice(i, i + 1), slice(j, j + 1))
                      for i in range(len(layers)) for j in range(len(src))]
-        for layer_part, block_part in parts:
-            t = time.monotonic()
-            try:
-                buf = pool.acquire(len(layers[layer_part]) * len(src[block_part]) * per_block,
-                                   self._io_timeout)
-            except staging.StagingError as e:
-                raise TransportError(f"staging buffer: {e}") from None
-            try:
-                n = channel.write_slices(out.transfer_id, layers[layer_part], src[block_part],
-                                         dst[block_part], route.src_head, route.dst_head,
-                                         route.num_heads, buf)
-            finally:
-                pool.release(buf)
-            self._count(out, endpoint, t, n)
+        in_flight: deque[tuple[float, torch.Tensor, PendingWrite]] = deque()
+
+        def make_room() -> bool:  # D may wait for a slot our oldest write holds
+            if not in_flight:
+                return False
+            self._land(out, endpoint, channel, pool, *in_flight.popleft())
+            return True
+
+        try:
+            for layer_part, block_part in parts:
+                if len(in_flight) >= self._writes_in_flight:
+                    self._land(out, endpoint, channel, pool, *in_flight.popleft())
+                t = time.monotonic()
+                try:
+                    buf = pool.acquire(len(layers[layer_part]) * len(src[block_part])
+                                       * per_block, self._io_timeout)
+                except staging.StagingError as e:
+                    raise TransportError(f"staging buffer: {e}") from None
+                try:
+                    pending = channel.start_slices(out.transfer_id, layers[layer_part],
+                                                   src[block_part], dst[block_part],
+                                                   route.src_head, route.dst_head,
+                                                   route.num_heads, buf, make_room)
+                except BaseException:
+                    pool.release(buf)
+                    raise
+                in_flight.append((t, buf, pending))
+            while in_flight:
+                self._land(out, endpoint, channel, pool, *in_flight.popleft())
+        finally:
+            while in_flight:  # a write failed: the others still read their buffers
+                _, buf, pending = in_flight.popleft()
+                try:
+                    channel.finish_slices(pending)
+                except TransportError:
+                    pass  # the transfer fails with the first error
+                finally:
+                    pool.release(buf)
+
+    def _land(self, out: Outgoing, endpoint: str, channel: SendChannel,
+              pool: staging.StagingPool, t_start: float, buf: torch.Tensor,
+              pending: PendingWrite) -> None:
+        """Finish a write ``_send_slices`` started, free its staging buffer, count it."""
+        try:
+            n = channel.finish_slices(pending)
+        finally:
+            pool.release(buf)
+        self._count(out, endpoint, t_start, n)
 
     def _staging_pool(self) -> staging.StagingPool:
         if self._staging is None:

@@ -161,16 +161,27 @@ class RecvRing:
         self._free = list(range(slots))
         self._cond = threading.Condition()
         self.waits = 0
+        """How often a write found no free slot (back-pressure, for stats)."""
 
     def acquire(self, nbytes: int, timeout: float) -> int:
+        slot = self.try_acquire(nbytes, timeout)
+        if slot is None:
+            raise StagingError(f"no receive-ring slot was freed within {timeout:.1f} s")
+        return slot
+
+    def try_acquire(self, nbytes: int, timeout: float = 0.0) -> int | None:
+        """A free slot, waiting up to ``timeout`` s for one; None if none was freed. Raises
+        StagingError when ``nbytes`` cannot fit a slot at all."""
         if nbytes > self.slot_bytes:
             raise StagingError(f"{nbytes} B exceed the receive-ring slot of {self.slot_bytes} B;"
                                " give prefill a staging_buffer_mb no larger than decode's")
         with self._cond:
             if not self._free:
+                if not timeout:
+                    return None
                 self.waits += 1
                 if not self._cond.wait_for(lambda: bool(self._free), timeout):
-                    raise StagingError(f"no receive-ring slot was freed within {timeout:.1f} s")
+                    return None
             return self._free.pop()
 
     def view(self, slot: int, nbytes: int) -> torch.Tensor:

@@ -90,7 +90,8 @@ class LayerKVWorker:
                                    if g.kind in ("sliding", "mamba")},
                                   tp_staging=self._config.tp_staging,
                                   staging_bytes=self._config.staging_buffer_mb << 20,
-                                  staging_buffers=self._config.staging_buffers)
+                                  staging_buffers=self._config.staging_buffers,
+                                  writes_in_flight=self._config.writes_in_flight)
             self._prefill = PrefillWorker(self._config, layout, self._sender, self._tracer,
                                           self._stats)
         # vLLM takes load errors per block only for models with one KV cache group, and a

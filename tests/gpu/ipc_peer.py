@@ -93,9 +93,13 @@ def run_p(spec: dict, endpoint: str) -> None:
     blocks = StagedBlockIO(layout)
     stats = WorkerStats()
     hello = Hello(compat=compat(spec), engine_id="p", tp_rank=0, tp_size=1)
-    transport = create_transport(spec["transport"], blocks, LayerKVConfig(**spec.get("config", {})))
+    config = LayerKVConfig(**spec.get("config", {}))
+    transport = create_transport(spec["transport"], blocks, config)
     sender = Sender(transport, blocks, hello, tp_rank=0, connect_timeout=10.0,
-                    io_timeout=30.0, stats=stats, tracer=Tracer("", "p", 0))
+                    io_timeout=30.0, stats=stats, tracer=Tracer("", "p", 0),
+                    staging_bytes=config.staging_buffer_mb << 20,
+                    staging_buffers=config.staging_buffers,
+                    writes_in_flight=config.writes_in_flight)
     peer = Peer(engine_id="d", tp_size=1, data_endpoints=[endpoint])
     tasks = [SendTask(req_id=f"req-{i}", transfer_id=f"tid-{i}", peer=peer, src_blocks=[t["src"]],
                       dst_blocks=[t["dst"]], final=True, new_tokens=16 * len(t["src"]))

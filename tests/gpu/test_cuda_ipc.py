@@ -118,11 +118,13 @@ def test_nixl_over_ucx_tcp_byte_exact() -> None:
     assert_exact(d_res, 1)
 
 
-def nixl_over_ucx_tcp_2gib(threads: int, host_bounce: str) -> None:
+def nixl_over_ucx_tcp_2gib(threads: int, host_bounce: str, writes_in_flight: int = 2) -> None:
     """16K tokens of KV (1,000 blocks x 32 layers = 2 GiB) in 8 layer groups over UCX tcp."""
     p_res, d_res = run_pair("nixl", [contiguous(1000, 0, 10)],
                             env_extra={"UCX_TLS": "tcp,cuda_copy,self"},
-                            config={"nixl_num_threads": threads, "host_bounce": host_bounce})
+                            config={"nixl_num_threads": threads, "host_bounce": host_bounce,
+                                    "staging_buffers": max(2, writes_in_flight),
+                                    "writes_in_flight": writes_in_flight})
     assert p_res["direct"]
     # "auto" bounces here: this UCX_TLS leaves UCX no transport that reaches GPU memory
     assert p_res["bounces"] == (host_bounce != "off")
@@ -142,6 +144,16 @@ def test_nixl_over_ucx_tcp_through_host_memory() -> None:
     """``host_bounce`` (auto): UCX moves pinned host memory, LayerKV copies to and from the
     GPUs."""
     nixl_over_ucx_tcp_2gib(0, "auto")
+
+
+def test_nixl_over_ucx_tcp_through_host_memory_one_write_at_a_time() -> None:
+    """The same with ``writes_in_flight=1``: each piece gathered, copied out, written, copied
+    in and scattered before the next starts (what the first host_bounce version did)."""
+    nixl_over_ucx_tcp_2gib(0, "auto", writes_in_flight=1)
+
+
+def test_nixl_over_ucx_tcp_through_host_memory_three_writes_in_flight() -> None:
+    nixl_over_ucx_tcp_2gib(0, "auto", writes_in_flight=3)
 
 
 def test_mooncake_tcp_through_host_memory() -> None:

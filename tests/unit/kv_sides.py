@@ -102,14 +102,15 @@ def transport_config(transport: str, config: LayerKVConfig | None = None
 def start_d(dtype: torch.dtype = torch.uint8, num_blocks: int = NUM_BLOCKS,
             block_bytes: int = BLOCK_BYTES, info: CompatInfo | None = None,
             unknown_wait_s: float = UNKNOWN_WAIT_S, io_timeout: float = 5.0,
-            transport: str = "tcp", early_lead_s: float = 0.0) -> DSide:
+            transport: str = "tcp", early_lead_s: float = 0.0, ring_slots: int = 4) -> DSide:
     caches = make_caches(SENTINEL, dtype, num_blocks=num_blocks, block_bytes=block_bytes)
     layout = KVLayout.from_kv_caches(caches, num_blocks)
     stats = WorkerStats()
     table = RecvTable(info or compat(block_bytes=block_bytes), tp_rank=0, tp_size=1,
                       unknown_wait_s=unknown_wait_s, stats=stats, early_lead_s=early_lead_s)
     blocks = HostBlockIO(layout)
-    name, config = transport_config(transport, LayerKVConfig(io_timeout_s=io_timeout))
+    name, config = transport_config(transport, LayerKVConfig(io_timeout_s=io_timeout,
+                                                             recv_ring_slots=ring_slots))
     mover = create_transport(name, blocks, config)
     endpoint = mover.start_receiver("127.0.0.1", 0, table, blocks, io_timeout)
     return DSide(table, mover, endpoint, layout, stats)
@@ -153,7 +154,10 @@ def start_p(transport: str, engine_id: str = "prefill-0", dtype: torch.dtype = t
     blocks = HostBlockIO(layout)
     name, config = transport_config(transport, config)
     sender = Sender(create_transport(name, blocks, config), blocks, hello, tp_rank=0,
-                    connect_timeout=2.0, io_timeout=5.0, stats=stats, tracer=Tracer("", "p", 0))
+                    connect_timeout=2.0, io_timeout=5.0, stats=stats, tracer=Tracer("", "p", 0),
+                    staging_bytes=config.staging_buffer_mb << 20,
+                    staging_buffers=config.staging_buffers,
+                    writes_in_flight=config.writes_in_flight)
     return PSide(sender, layout, stats, engine_id)
 
 

@@ -187,6 +187,10 @@ def test_min_stages_above_max_stages() -> None:
     ({"min_prompt_tokens": -1}, "min_prompt_tokens"),
     ({"transport": "rdma"}, "transport"),
     ({"host": ""}, "host"),
+    ({"staging_buffers": 0}, "staging_buffers"),
+    ({"recv_ring_slots": 65}, "recv_ring_slots"),
+    ({"writes_in_flight": 0}, "writes_in_flight"),
+    ({"writes_in_flight": 65}, "writes_in_flight"),
 ])
 def test_bad_values_name_the_setting(extra: dict, name: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(name)):

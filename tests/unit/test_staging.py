@@ -124,8 +124,15 @@ def test_receive_ring_grants_each_slot_once_and_holds_back_until_one_is_freed() 
 
 def test_a_full_ring_refuses_the_write_and_fails_the_transfer_on_decode() -> None:
     """TcpTransport on D: a head-slice write that finds no free slot in time is refused and
-    its transfer aborted with the reason (P then fails it), instead of overwriting a slot."""
-    from vllm_layerkv.protocol import DirectWrite
+    its transfer aborted with the reason (P then fails it), instead of overwriting a slot;
+    while it waits the connection's thread is not blocked (it returns at once), and once a
+    slot is free the next waiting write gets it. A write that cannot fit a slot at all is
+    refused at once."""
+    import socket
+    from collections import deque
+
+    from vllm_layerkv.protocol import DirectWrite, WriteGrant
+    from vllm_layerkv.transport import framing
     from vllm_layerkv.transport.tcp import TcpTransport
 
     class Sink:
@@ -139,15 +146,33 @@ def test_a_full_ring_refuses_the_write_and_fails_the_transfer_on_decode() -> Non
         def on_abort(self, transfer_id: str, reason: str) -> None:
             self.aborted.append((transfer_id, reason))
 
+    def write(seq: int, nbytes: int = 64) -> DirectWrite:
+        return DirectWrite(transfer_id=f"t{seq}", seq=seq, layers=[0], dst_blocks=[3],
+                           first_head=0, num_heads=1, nbytes=nbytes)
+
     ring = RecvRing(1, 1024, "cpu")
     held = ring.acquire(10, timeout=0.1)
     transport = TcpTransport()
     transport._ring_wait_s = 0.1
     sink = Sink()
-    msg = DirectWrite(transfer_id="t", seq=1, layers=[0], dst_blocks=[3], first_head=0,
-                      num_heads=1, nbytes=64)
-    assert transport._ring_slot(msg, ring, sink) == -1  # type: ignore[arg-type]
-    assert sink.ended == ["t"]
+    d_end, p_end = socket.socketpair()
+    granted: dict = {}
+    waiting = deque([(write(1), ring, time.monotonic() + 0.1)])
+    t0 = time.monotonic()
+    transport._grant_waiting(d_end, waiting, granted, sink)  # type: ignore[arg-type]
+    assert time.monotonic() - t0 < 0.05 and len(waiting) == 1 and not sink.ended
+    time.sleep(0.15)
+    transport._grant_waiting(d_end, waiting, granted, sink)  # type: ignore[arg-type]
+    assert not waiting and not granted
+    assert framing.recv_message(p_end) == WriteGrant(seq=1, ok=False, slot=-1)
+    assert sink.ended == ["t1"]
     assert sink.aborted and "head-slice write refused: no receive-ring slot" in sink.aborted[0][1]
     ring.release(held)
-    assert transport._ring_slot(msg, ring, sink) == held  # type: ignore[arg-type]
+    waiting.append((write(2), ring, time.monotonic() + 0.1))
+    transport._grant_waiting(d_end, waiting, granted, sink)  # type: ignore[arg-type]
+    assert framing.recv_message(p_end) == WriteGrant(seq=2, ok=True, slot=held)
+    assert granted[2][1:] == (held, ring)
+    assert not transport._fits_ring(write(3, nbytes=2048), ring, sink)  # type: ignore[arg-type]
+    assert "no larger than decode's" in sink.aborted[-1][1] and sink.ended[-1] == "t3"
+    d_end.close()
+    p_end.close()

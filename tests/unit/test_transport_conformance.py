@@ -46,6 +46,7 @@ from vllm_layerkv.config import LayerKVConfig
 from vllm_layerkv.metadata import Peer, RecvTask, SendTask
 from vllm_layerkv.sender import AbortTransfer, FinishTransfer, GroupSend
 from vllm_layerkv.transport import faults
+from vllm_layerkv.transport.direct import AddressedPeer, DirectWriteFailed
 from vllm_layerkv.transport.nixl import MAX_COALESCED_RUNS
 
 TRANSPORTS = os.environ.get("LAYERKV_TEST_TRANSPORTS",
@@ -484,14 +485,16 @@ def test_whole_blocks_go_through_the_ring_only_with_host_bounce(d_side, p_side, 
     from vllm_layerkv.staging import RecvRing
 
     granted: list[int] = []
-    acquire = RecvRing.acquire
+    try_acquire = RecvRing.try_acquire
 
-    def counting_acquire(ring: RecvRing, nbytes: int, timeout: float) -> int:
+    def counting_acquire(ring: RecvRing, nbytes: int, timeout: float = 0.0) -> int | None:
         assert ring.tensor.device.type == "cpu"
-        granted.append(nbytes)
-        return acquire(ring, nbytes, timeout)
+        slot = try_acquire(ring, nbytes, timeout)
+        if slot is not None:
+            granted.append(nbytes)
+        return slot
 
-    monkeypatch.setattr(RecvRing, "acquire", counting_acquire)
+    monkeypatch.setattr(RecvRing, "try_acquire", counting_acquire)
     d, p = d_side(), p_side()
     src, dst = [5, 6, 7, 30], [1, 2, 3, 4]
     d.table.expect(RecvTask("r", "t", dst))
@@ -503,6 +506,122 @@ def test_whole_blocks_go_through_the_ring_only_with_host_bounce(d_side, p_side, 
         assert granted == [2 * len(src) * BLOCK_BYTES] * 2  # one slot per group of 2 layers
     else:
         assert granted == []
+
+
+class InFlight:
+    """Counts ring writes posted and not yet finished (``AddressedPeer``), and can fail the
+    ``fail_post``-th post."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, fail_post: int = 0):
+        self.now = self.most = self.posted = self.finished = 0
+        self._lock = threading.Lock()
+        post, finish = AddressedPeer.post_staged, AddressedPeer.finish_staged
+
+        def counting_post(peer: AddressedPeer, *args, **kw):
+            with self._lock:
+                self.posted += 1
+                if self.posted == fail_post:
+                    raise DirectWriteFailed("injected post failure (test)")
+            write = post(peer, *args, **kw)
+            with self._lock:
+                self.now += 1
+                self.most = max(self.most, self.now)
+            return write
+
+        def counting_finish(peer: AddressedPeer, write):
+            try:
+                return finish(peer, write)
+            finally:
+                with self._lock:
+                    self.now -= 1
+                    self.finished += 1
+
+        monkeypatch.setattr(AddressedPeer, "post_staged", counting_post)
+        monkeypatch.setattr(AddressedPeer, "finish_staged", counting_finish)
+
+
+BOUNCED = [t for t in TRANSPORTS if t.endswith("+bounce")] or ["nixl+bounce"]
+"""Transports whose whole blocks go through D's ring (the pipelined path)."""
+
+
+@pytest.mark.parametrize("transport", BOUNCED)
+@pytest.mark.parametrize("writes_in_flight", [1, 2, 3])
+def test_ring_writes_in_flight_are_bounded_and_land_byte_exact(d_side, p_side, transport,
+                                                               writes_in_flight,
+                                                               monkeypatch) -> None:
+    """A layer group larger than a staging buffer goes in pieces, ``writes_in_flight`` of them
+    posted at once (never more, and more than one when allowed), each finished in order."""
+    inflight = InFlight(monkeypatch)
+    block_bytes, num_blocks = 64 * 1024, 64  # 2 layers x 64 blocks = 8 MiB a group
+    d = d_side(num_blocks=num_blocks, block_bytes=block_bytes)
+    config = LayerKVConfig(staging_buffer_mb=1, staging_buffers=3,
+                           writes_in_flight=writes_in_flight)
+    p = p_side(num_blocks=num_blocks, block_bytes=block_bytes, config=config)
+    src = list(range(num_blocks))
+    dst = src[::-1]
+    d.table.expect(RecvTask("r", "t", dst))
+    push(p, [task("t", d, src, dst, req_id="r")])
+    out = p.wait_state("t", ["acked", "failed"], timeout=30)
+    assert out.state == "acked", out.reason
+    assert d.drain_until(lambda f, x: bool(f or x)) == ({"r"}, set())
+    assert out.frames == inflight.posted == inflight.finished == 16  # 2 groups x 8 MiB / 1 MiB
+    assert inflight.most == writes_in_flight
+    d_views, p_views = d.layout.host_block_views(), p.layout.host_block_views()
+    for layer in range(NUM_LAYERS):
+        assert (d_views[layer][dst] == p_views[layer][src]).all(), f"layer {layer}"
+
+
+@pytest.mark.parametrize("transport", BOUNCED)
+def test_more_writes_in_flight_than_ring_slots_do_not_deadlock(d_side, p_side, transport,
+                                                               monkeypatch) -> None:
+    """D's ring has one slot, P keeps up to three writes in flight: P's next grant waits for
+    the slot its own oldest write holds, so P finishes that write while it waits, and D keeps
+    reading P's reports while the grant waits (neither side blocks the other)."""
+    inflight = InFlight(monkeypatch)
+    block_bytes, num_blocks = 64 * 1024, 64
+    d = d_side(num_blocks=num_blocks, block_bytes=block_bytes, ring_slots=1)
+    config = LayerKVConfig(staging_buffer_mb=1, staging_buffers=3, writes_in_flight=3)
+    p = p_side(num_blocks=num_blocks, block_bytes=block_bytes, config=config)
+    src = list(range(num_blocks))
+    dst = src[::-1]
+    d.table.expect(RecvTask("r", "t", dst))
+    t0 = time.monotonic()
+    push(p, [task("t", d, src, dst, req_id="r")])
+    out = p.wait_state("t", ["acked", "failed"], timeout=30)
+    assert out.state == "acked", out.reason
+    assert time.monotonic() - t0 < 2.5  # no write waited out D's ring_wait (io_timeout / 2)
+    assert inflight.posted == inflight.finished == 16 and inflight.most == 1
+    assert d.transport._host_ring.waits > 0
+    assert d.drain_until(lambda f, x: bool(f or x)) == ({"r"}, set())
+    d_views, p_views = d.layout.host_block_views(), p.layout.host_block_views()
+    for layer in range(NUM_LAYERS):
+        assert (d_views[layer][dst] == p_views[layer][src]).all(), f"layer {layer}"
+
+
+@pytest.mark.parametrize("transport", BOUNCED)
+def test_failed_post_with_writes_in_flight_fails_the_transfer_and_frees_everything(
+        d_side, p_side, transport, monkeypatch) -> None:
+    """A piece that cannot be posted while others are in flight: those still finish (and are
+    reported to D) before their buffers are reused, the transfer fails on both sides, no ring
+    slot or staging buffer stays taken, and the connection carries the next transfer."""
+    inflight = InFlight(monkeypatch, fail_post=3)
+    block_bytes, num_blocks = 64 * 1024, 64
+    d = d_side(num_blocks=num_blocks, block_bytes=block_bytes)
+    config = LayerKVConfig(staging_buffer_mb=1, staging_buffers=2, writes_in_flight=2)
+    p = p_side(num_blocks=num_blocks, block_bytes=block_bytes, config=config)
+    src = list(range(num_blocks))
+    d.table.expect(RecvTask("r", "t", src))
+    push(p, [task("t", d, src, src, req_id="r")])
+    out = p.wait_state("t", ["acked", "failed"], timeout=30)
+    assert out.state == "failed" and "injected post failure" in out.reason
+    assert d.drain_until(lambda f, x: bool(f or x)) == (set(), {"r"})
+    assert inflight.posted == 3 and inflight.finished == 2 and inflight.now == 0
+    assert p.sender._staging is not None and p.sender._staging.free == 2
+    ring = d.transport._host_ring
+    wait_until(lambda: ring is not None and sorted(ring._free) == list(range(ring.slots)))
+    d.table.expect(RecvTask("r2", "t2", [3]))
+    push(p, [task("t2", d, [3], [3], req_id="r2")])
+    assert p.wait_state("t2", ["acked", "failed"]).state == "acked"
 
 
 # ------------------------------------------------------------------------------ early release

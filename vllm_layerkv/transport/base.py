@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -29,6 +30,17 @@ from vllm_layerkv.protocol import Hello, TransferAck
 
 class TransportError(RuntimeError):
     """A transfer could not be carried out (peer unreachable, refused, connection lost)."""
+
+
+@dataclass
+class PendingWrite:
+    """A head-slice write ``SendChannel.start_slices`` started; ``finish_slices`` ends it."""
+
+    transfer_id: str
+    nbytes: int
+    """Bytes the write moves (0: nothing goes, e.g. D had already closed the transfer)."""
+    handle: Any = None
+    """The channel's state of a write still in flight; None once it is complete."""
 
 
 class SendChannel(ABC):
@@ -54,6 +66,27 @@ class SendChannel(ABC):
         peer scatter them into heads ``[dst_head, ...)`` of its ``dst_blocks``. Returns bytes
         moved; blocks until ``staging`` may be reused."""
         raise TransportError(f"{type(self).__name__} cannot send head slices")
+
+    def start_slices(self, transfer_id: str, layers: Sequence[int], src_blocks: Sequence[int],
+                     dst_blocks: Sequence[int], src_head: int, dst_head: int, num_heads: int,
+                     staging: torch.Tensor, make_room: Callable[[], bool] | None = None
+                     ) -> PendingWrite:
+        """``write_slices`` in two halves, so that a sender can keep several writes in flight
+        (``writes_in_flight``): this one starts the write and may return before the bytes
+        arrive; ``finish_slices`` waits for them. ``staging`` stays the caller's, untouched,
+        until ``finish_slices`` returned. Writes finish in the order they started.
+        ``make_room``: the caller's writes in flight may hold what this one waits for (a slot
+        of D's ring); while it waits the channel calls ``make_room``, which finishes the
+        caller's oldest write and returns True, or False when it has none. Default: the whole
+        write, now."""
+        return PendingWrite(transfer_id, self.write_slices(
+            transfer_id, layers, src_blocks, dst_blocks, src_head, dst_head, num_heads,
+            staging))
+
+    def finish_slices(self, pending: PendingWrite) -> int:
+        """Wait until the write ``start_slices`` started is in the peer's memory and reported
+        to it; returns bytes moved (raises TransportError when the write failed)."""
+        return pending.nbytes
 
     @property
     def bounces(self) -> bool:

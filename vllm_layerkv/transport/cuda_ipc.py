@@ -34,6 +34,7 @@ from vllm_layerkv.transport.direct import (
     DirectUnavailable,
     DirectWriteFailed,
     PeerWriter,
+    StagedWrite,
     check_blocks,
     check_geometry,
     host_id,
@@ -134,9 +135,11 @@ class PeerKV(PeerWriter):
         view.set_(storage, t.tensor_offset, (rows, row_bytes), (row_bytes, 1))
         return view
 
-    def write_staged(self, local_heads: int, layers: Sequence[int], src_blocks: Sequence[int],
-                     src_head: int, num_heads: int, staging: torch.Tensor, slot: int) -> int:
-        """Gather the head slices on P's GPU, then one copy into D's ring slot."""
+    def post_staged(self, local_heads: int, layers: Sequence[int], src_blocks: Sequence[int],
+                    src_head: int, num_heads: int, staging: torch.Tensor, slot: int
+                    ) -> StagedWrite:
+        """Gather the head slices on P's GPU, then one copy into D's ring slot, both queued
+        on this writer's stream; ``finish_staged`` waits for the copy's event."""
         if self._ring is None or not 0 <= slot < self._ring.shape[0]:
             raise DirectWriteFailed(f"decode granted receive-ring slot {slot}, which this "
                                     "writer has not mapped")
@@ -149,10 +152,20 @@ class PeerKV(PeerWriter):
                     raise DirectWriteFailed(f"{n} B of head slices exceed decode's "
                                             f"{self._ring.shape[1]} B ring slot")
                 self._ring[slot, :n].copy_(payload, non_blocking=True)
-            self._stream.synchronize()
+                copied = torch.cuda.Event()
+                copied.record(self._stream)
         except RuntimeError as e:
             raise DirectWriteFailed(f"device copy failed: {e}") from None
-        return n
+        return StagedWrite(n, copied)
+
+    def finish_staged(self, write: StagedWrite) -> int:
+        if write.pending is not None:
+            copied, write.pending = write.pending, None
+            try:
+                copied.synchronize()
+            except RuntimeError as e:
+                raise DirectWriteFailed(f"device copy failed: {e}") from None
+        return write.nbytes
 
     def write(self, layers: Sequence[int], src_blocks: Sequence[int],
               dst_blocks: Sequence[int]) -> int:

@@ -21,6 +21,10 @@ gathering a layer group on its GPU and copying it into a registered pinned host 
 the engine writes into D's ring slot; D copies the slot to its GPU and scatters it. For engine
 paths that move host memory far faster than GPU memory (UCX over tcp).
 
+Ring writes come in two halves, ``post_staged`` and ``finish_staged``, so that the sender can
+keep several in flight (``writes_in_flight``): while the engine moves one piece, P gathers and
+copies out the next, and D scatters the one before.
+
 Planes: ``cuda_ipc.py`` (same host, KV on CUDA), ``nixl.py`` (NIXL agents: UCX, libfabric...),
 ``mooncake.py`` (Mooncake TransferEngine, tcp or rdma).
 """
@@ -32,7 +36,9 @@ import socket
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 import msgspec
 import torch
@@ -112,6 +118,16 @@ def check_blocks(blocks: Sequence[int], num_blocks: int) -> None:
         raise ValueError(f"block id out of range 0..{num_blocks - 1} in {list(blocks)[:8]}")
 
 
+@dataclass
+class StagedWrite:
+    """A ring write ``PeerWriter.post_staged`` posted; ``finish_staged`` waits for it."""
+
+    nbytes: int
+    pending: Any = None
+    """The plane's handle of the posted write (an engine request, a device event); None when
+    it is already complete."""
+
+
 class PeerWriter(ABC):
     """P side: one decode rank's KV, writable from this process. Used by the sender thread
     only."""
@@ -141,7 +157,20 @@ class PeerWriter(ABC):
                      src_head: int, num_heads: int, staging: torch.Tensor, slot: int) -> int:
         """Gather a head slice of every (layer, block) into ``staging`` and write it into slot
         ``slot`` of the peer's receive ring; return once it is there. Returns bytes written."""
+        return self.finish_staged(self.post_staged(local_heads, layers, src_blocks, src_head,
+                                                   num_heads, staging, slot))
+
+    def post_staged(self, local_heads: int, layers: Sequence[int], src_blocks: Sequence[int],
+                    src_head: int, num_heads: int, staging: torch.Tensor, slot: int
+                    ) -> StagedWrite:
+        """``write_staged`` up to posting the write: the bytes are in the ring slot only once
+        ``finish_staged`` returned, and until then ``staging`` (and its host twin) must stay
+        untouched."""
         raise DirectWriteFailed(f"{type(self).__name__} cannot write head slices")
+
+    def finish_staged(self, write: StagedWrite) -> int:
+        """Wait for a posted ring write; returns its bytes (raises DirectWriteFailed)."""
+        return write.nbytes
 
     def close(self) -> None:
         """Forget the peer (its channel closed)."""
@@ -159,7 +188,7 @@ class AddressedPeer(PeerWriter):
                  register_staging: Callable[[torch.Tensor], None], ring_addr: int = 0,
                  ring_slots: int = 0, ring_slot_bytes: int = 0, ring_in_host: bool = False,
                  host_bounce: bool = False,
-                 host_staging: Callable[[int], torch.Tensor] | None = None):
+                 host_staging: Callable[[int, torch.Tensor], torch.Tensor] | None = None):
         if ring_slots and block_bytes != local[0].shape[1]:
             # TP differs: only head slices go, through the ring; the layer count must match
             check_geometry(plane, len(layer_addrs), local[0].shape[1], local)
@@ -188,8 +217,8 @@ class AddressedPeer(PeerWriter):
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         """Where head slices are gathered on a GPU (off vLLM's streams)."""
         self._host_staging = host_staging
-        """The plane's ``host_staging``: ``host_bounce`` with KV on a GPU, the registered pinned
-        host buffer the engine writes from."""
+        """The plane's ``host_staging``: ``host_bounce`` with KV on a GPU, a staging buffer's
+        registered pinned host twin, which the engine writes from."""
 
     def write(self, layers: Sequence[int], src_blocks: Sequence[int],
               dst_blocks: Sequence[int]) -> int:
@@ -204,11 +233,12 @@ class AddressedPeer(PeerWriter):
         self.write_runs(layers, paired_runs(src_blocks, dst_blocks), src_blocks, dst_blocks)
         return len(layers) * len(src_blocks) * self.block_bytes
 
-    def write_staged(self, local_heads: int, layers: Sequence[int], src_blocks: Sequence[int],
-                     src_head: int, num_heads: int, staging: torch.Tensor, slot: int) -> int:
-        """Gather the head slices into ``staging`` (on the KV's device), then one write of
+    def post_staged(self, local_heads: int, layers: Sequence[int], src_blocks: Sequence[int],
+                    src_head: int, num_heads: int, staging: torch.Tensor, slot: int
+                    ) -> StagedWrite:
+        """Gather the head slices into ``staging`` (on the KV's device), then post one write of
         the filled prefix into ring slot ``slot``; with ``host_bounce`` on a GPU, the engine
-        writes from a pinned host copy of it."""
+        writes from a pinned host copy of it (``staging``'s host twin)."""
         if not 0 <= slot < self.ring_slots:
             raise DirectWriteFailed(f"decode granted receive-ring slot {slot}, but offered "
                                     f"{self.ring_slots} slots")
@@ -222,12 +252,12 @@ class AddressedPeer(PeerWriter):
             raise DirectWriteFailed(f"{n} B of slices exceed decode's {self.ring_slot_bytes} B "
                                     "ring slot")
         if not n:
-            return 0
+            return StagedWrite(0)
         source = staging
         if self.host_bounce and self._stream is not None:
             assert self._host_staging is not None
             try:
-                source = self._host_staging(self.ring_slot_bytes)
+                source = self._host_staging(self.ring_slot_bytes, staging)
             except Exception as e:  # noqa: BLE001 - engines raise their own types
                 raise DirectWriteFailed(f"{self.plane}: cannot make or register the host "
                                         f"staging buffer: {e}") from None
@@ -244,14 +274,20 @@ class AddressedPeer(PeerWriter):
                        staging)
         except (RuntimeError, StagingError) as e:
             raise DirectWriteFailed(f"gathering head slices failed: {e}") from None
-        if source is staging:  # the host staging buffer was registered when it was made
+        if source is staging:  # a host twin was registered when it was made
             try:
                 self._register_staging(staging)
             except Exception as e:  # noqa: BLE001 - engines raise their own types
                 raise DirectWriteFailed(f"{self.plane}: cannot register the staging buffer: "
                                         f"{e}") from None
-        self.write_span(source, n, self.ring_addr + slot * self.ring_slot_bytes)
-        return n
+        return StagedWrite(n, self.post_span(source, n,
+                                             self.ring_addr + slot * self.ring_slot_bytes))
+
+    def finish_staged(self, write: StagedWrite) -> int:
+        if write.pending is not None:
+            pending, write.pending = write.pending, None
+            self.wait_span(pending)
+        return write.nbytes
 
     @abstractmethod
     def write_runs(self, layers: Sequence[int], runs: list[tuple[int, int, int]],
@@ -260,11 +296,16 @@ class AddressedPeer(PeerWriter):
         once they are in the peer's memory (raise DirectWriteFailed otherwise)."""
 
     @abstractmethod
-    def write_span(self, buffer: torch.Tensor, nbytes: int, remote_addr: int) -> None:
-        """Move the first ``nbytes`` of ``buffer`` (a staging buffer on the KV's device or, with
-        ``host_bounce``, in pinned host memory; already registered) to ``remote_addr`` in the
-        peer's ring (in host memory if ``ring_in_host``) and return once they are there (raise
-        DirectWriteFailed otherwise)."""
+    def post_span(self, buffer: torch.Tensor, nbytes: int, remote_addr: int) -> Any:
+        """Start moving the first ``nbytes`` of ``buffer`` (a staging buffer on the KV's device
+        or, with ``host_bounce``, its twin in pinned host memory; already registered) to
+        ``remote_addr`` in the peer's ring (in host memory if ``ring_in_host``). Returns what
+        ``wait_span`` needs, or None when the bytes are already there (raise
+        DirectWriteFailed when the write cannot start)."""
+
+    def wait_span(self, pending: Any) -> None:
+        """Return once the write ``post_span`` started is in the peer's memory (raise
+        DirectWriteFailed otherwise). Every posted write is waited for, once."""
 
 
 def layer_geometry(local: Sequence[torch.Tensor]) -> dict[str, object]:
@@ -320,9 +361,10 @@ class AddressedPlane(DirectPlane):
         """Why the receive ring could not be registered (head slices then go as bytes)."""
         self._lock = threading.Lock()
         """Serialises registrations: D's connection threads, P's sender thread."""
-        self._host_staging: torch.Tensor | None = None
+        self._host_twins: dict[int, torch.Tensor] = {}
+        """P, ``host_bounce``: staging buffer address -> its registered pinned host twin."""
         self._retired: list[torch.Tensor] = []
-        """Outgrown host staging buffers, still registered (see ``host_staging``)."""
+        """Outgrown host twins, still registered (see ``host_staging``)."""
 
     def offer(self, hello: Hello, ring: RecvRing | None = None) -> DirectExport | None:
         """The export; with ``ring`` (the sender's TP differs) the ring is registered the
@@ -354,21 +396,25 @@ class AddressedPlane(DirectPlane):
         with self._lock:
             self.register(buffer)
 
-    def host_staging(self, nbytes: int) -> torch.Tensor:
-        """P side, ``host_bounce`` on a GPU: a pinned host buffer of at least ``nbytes``,
-        registered with the engine. One per worker (only its sender thread writes, one peer at
-        a time), made on first use and kept for the plane's life: a buffer per peer would leave
-        a registration behind at every reconnect. Grown for a decode with larger ring slots;
-        the smaller one stays alive (and registered) until shutdown, since an engine
-        registration must not outlive its memory."""
+    def host_staging(self, nbytes: int, staging: torch.Tensor) -> torch.Tensor:
+        """P side, ``host_bounce`` on a GPU: the pinned host twin of the (GPU) staging buffer
+        ``staging``, at least ``nbytes`` long and registered with the engine; the engine
+        writes from it. A twin per staging buffer, so that every write the sender keeps in
+        flight has its own. Twins are the worker's (the sender's staging buffers are fixed),
+        made on first use and kept for the plane's life: a buffer per peer would leave a
+        registration behind at every reconnect. One grown for a decode with larger ring slots
+        replaces the smaller, which stays alive (and registered) until shutdown, since an
+        engine registration must not outlive its memory."""
+        key = staging.data_ptr()
         with self._lock:
-            if self._host_staging is None or self._host_staging.numel() < nbytes:
-                buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-                self.register(buf)
-                if self._host_staging is not None:
-                    self._retired.append(self._host_staging)
-                self._host_staging = buf
-            return self._host_staging
+            twin = self._host_twins.get(key)
+            if twin is None or twin.numel() < nbytes:
+                new = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+                self.register(new)
+                if twin is not None:
+                    self._retired.append(twin)
+                self._host_twins[key] = twin = new
+            return twin
 
     @abstractmethod
     def register(self, t: torch.Tensor) -> None:

@@ -61,7 +61,7 @@ def transfer_engine() -> Any:
 class MooncakePeer(AddressedPeer):
     def __init__(self, engine: Any, export: MooncakeExport, local: Sequence[torch.Tensor],
                  register_staging: Callable[[torch.Tensor], None], host_bounce: bool = False,
-                 host_staging: Callable[[int], torch.Tensor] | None = None):
+                 host_staging: Callable[[int, torch.Tensor], torch.Tensor] | None = None):
         super().__init__("mooncake", export.layer_addrs, export.num_blocks, export.block_bytes,
                          local, register_staging, export.ring_addr, export.ring_slots,
                          export.ring_slot_bytes, export.ring_in_host, host_bounce, host_staging)
@@ -82,11 +82,12 @@ class MooncakePeer(AddressedPeer):
             raise DirectWriteFailed(f"mooncake: batch write of {len(lens)} runs to "
                                     f"{self._session} failed (rc={rc}; see the engine's log)")
 
-    def write_span(self, buffer: torch.Tensor, nbytes: int, remote_addr: int) -> None:
+    def post_span(self, buffer: torch.Tensor, nbytes: int, remote_addr: int) -> None:
+        """Synchronous: the write is complete on return (nothing for ``wait_span``)."""
         rc = self._engine.batch_transfer_sync_write(self._session, [buffer.data_ptr()],
                                                     [remote_addr], [nbytes])
         if rc != 0:
-            raise DirectWriteFailed(f"mooncake: head-slice write of {nbytes} B to "
+            raise DirectWriteFailed(f"mooncake: ring write of {nbytes} B to "
                                     f"{self._session} failed (rc={rc}; see the engine's log)")
 
 

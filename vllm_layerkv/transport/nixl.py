@@ -11,7 +11,8 @@ IPC, shared memory, TCP...).
   descriptor lists prepared once per peer and reused by index for every later request.
 * Completion: P polls the request with a growing sleep (no busy spin) and only then reports
   ``DirectWritten`` on the control connection; NIXL's DONE means the bytes are in the target's
-  memory.
+  memory. Ring writes are posted and polled in two halves (``post_span`` / ``wait_span``), so
+  the sender can keep several in flight.
 * Different TP (head slices): D registers its receive ring when the first such sender connects
   and offers it with fresh agent metadata (a NIXL agent's metadata names its registered
   memory); P registers each staging buffer once, on first use, and writes a gathered slice
@@ -137,7 +138,7 @@ class NixlPeer(AddressedPeer):
     def __init__(self, agent: Any, export: NixlExport, local: Sequence[torch.Tensor],
                  io_timeout: float, register_staging: Callable[[torch.Tensor], None],
                  host_bounce: bool = False,
-                 host_staging: Callable[[int], torch.Tensor] | None = None):
+                 host_staging: Callable[[int, torch.Tensor], torch.Tensor] | None = None):
         super().__init__("nixl", export.layer_addrs, export.num_blocks, export.block_bytes,
                          local, register_staging, export.ring_addr, export.ring_slots,
                          export.ring_slot_bytes, export.ring_in_host, host_bounce, host_staging)
@@ -166,7 +167,7 @@ class NixlPeer(AddressedPeer):
             raise DirectWriteFailed(f"nixl: cannot create the WRITE: {e}") from None
         self._post_and_wait(handle)
 
-    def write_span(self, buffer: torch.Tensor, nbytes: int, remote_addr: int) -> None:
+    def post_span(self, buffer: torch.Tensor, nbytes: int, remote_addr: int) -> Any:
         ex, a = self._export, self._agent
         local_mem, local_dev = _mem([buffer])
         remote_mem, remote_dev = ("DRAM", 0) if ex.ring_in_host else (ex.mem_type, ex.device_id)
@@ -176,8 +177,11 @@ class NixlPeer(AddressedPeer):
             handle = a.initialize_xfer("WRITE", a.get_xfer_descs(local, local_mem),
                                        a.get_xfer_descs(remote, remote_mem), self._remote)
         except Exception as e:  # noqa: BLE001 - nixl raises its own exception types
-            raise DirectWriteFailed(f"nixl: cannot create the head-slice WRITE: {e}") from None
-        self._post_and_wait(handle)
+            raise DirectWriteFailed(f"nixl: cannot create the ring WRITE: {e}") from None
+        return self._post(handle)
+
+    def wait_span(self, pending: Any) -> None:
+        self._wait(*pending)
 
     def _coalesced(self, layers: Sequence[int], runs: list[tuple[int, int, int]]) -> Any:
         ex, bb = self._export, self.block_bytes
@@ -226,11 +230,21 @@ class NixlPeer(AddressedPeer):
         return local_h, remote_h
 
     def _post_and_wait(self, handle: Any) -> None:
-        agent = self._agent
-        deadline = time.monotonic() + self._io_timeout
+        self._wait(*self._post(handle))
+
+    def _post(self, handle: Any) -> tuple[Any, str, float]:
+        """Post the WRITE; returns (handle, state, deadline) for ``_wait``."""
+        try:
+            state = self._agent.transfer(handle)
+        except Exception as e:  # noqa: BLE001 - nixl raises its own exception types
+            self._release(handle)
+            raise DirectWriteFailed(f"nixl: cannot post a WRITE to {self._remote}: {e}") from None
+        return handle, state, time.monotonic() + self._io_timeout
+
+    def _wait(self, handle: Any, state: str, deadline: float) -> None:
+        """Poll a posted WRITE with a growing sleep until it is DONE, then release it."""
         delay = POLL_FIRST_S
         try:
-            state = agent.transfer(handle)
             while state == "PROC":
                 if time.monotonic() > deadline:
                     raise DirectWriteFailed(
@@ -238,14 +252,21 @@ class NixlPeer(AddressedPeer):
                         f"io_timeout_s={self._io_timeout:.0f}")
                 time.sleep(delay)
                 delay = min(delay * 2, POLL_MAX_S)
-                state = agent.check_xfer_state(handle)
+                state = self._agent.check_xfer_state(handle)
             if state != "DONE":
                 raise DirectWriteFailed(f"nixl: WRITE to {self._remote} failed ({state})")
+        except DirectWriteFailed:
+            raise
+        except Exception as e:  # noqa: BLE001 - nixl raises its own exception types
+            raise DirectWriteFailed(f"nixl: WRITE to {self._remote} failed: {e}") from None
         finally:
-            try:
-                agent.release_xfer_handle(handle)
-            except Exception as e:  # noqa: BLE001 - a request still in flight may refuse
-                logger.warning("LayerKV nixl: cannot release a transfer handle: %s", e)
+            self._release(handle)
+
+    def _release(self, handle: Any) -> None:
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception as e:  # noqa: BLE001 - a request still in flight may refuse
+            logger.warning("LayerKV nixl: cannot release a transfer handle: %s", e)
 
     def close(self) -> None:
         if self._prepped is not None:

@@ -29,6 +29,7 @@ import queue
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 
 import msgspec
@@ -48,9 +49,15 @@ from vllm_layerkv.protocol import (
     TransferNearlyDone,
     WriteGrant,
 )
-from vllm_layerkv.staging import RecvRing, StagingError, scatter
+from vllm_layerkv.staging import RecvRing, scatter
 from vllm_layerkv.transport import faults, framing
-from vllm_layerkv.transport.base import ReceiveSink, SendChannel, Transport, TransportError
+from vllm_layerkv.transport.base import (
+    PendingWrite,
+    ReceiveSink,
+    SendChannel,
+    Transport,
+    TransportError,
+)
 from vllm_layerkv.transport.direct import (
     DirectPlane,
     DirectUnavailable,
@@ -61,6 +68,12 @@ from vllm_layerkv.transport.direct import (
 
 logger = logging.getLogger("vllm.layerkv.transport.tcp")
 SCRATCH_BYTES = 4 * 1024 * 1024
+SLOT_POLL_S = 0.001
+"""D: how often a connection with a ring write waiting for a slot looks for one."""
+_NO_GRANT_YET = object()
+GRANT_PATIENCE_S = 0.002
+"""P: how long a sender with ring writes in flight waits for its next grant before it
+finishes the oldest of them (D may be waiting for that one to free a slot)."""
 _SCATTER_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
@@ -162,12 +175,21 @@ class TcpSendChannel(SendChannel):
     def write_slices(self, transfer_id: str, layers: Sequence[int], src_blocks: Sequence[int],
                      dst_blocks: Sequence[int], src_head: int, dst_head: int, num_heads: int,
                      staging: torch.Tensor) -> int:
+        return self.finish_slices(self.start_slices(transfer_id, layers, src_blocks, dst_blocks,
+                                                    src_head, dst_head, num_heads, staging))
+
+    def start_slices(self, transfer_id: str, layers: Sequence[int], src_blocks: Sequence[int],
+                     dst_blocks: Sequence[int], src_head: int, dst_head: int, num_heads: int,
+                     staging: torch.Tensor, make_room: Callable[[], bool] | None = None
+                     ) -> PendingWrite:
+        """Through D's receive ring when the plane has one (posted, finished by
+        ``finish_slices``), else as bytes on this connection (complete on return)."""
         if len(src_blocks) != len(dst_blocks):
             raise ValueError("src_blocks and dst_blocks differ in length")
         self._check_writable(transfer_id)
         if self._writer is not None and self._writer.ring_slots:
-            return self._write_slices_direct(transfer_id, layers, src_blocks, dst_blocks,
-                                             src_head, dst_head, num_heads, staging)
+            return self._post_to_ring(transfer_id, layers, src_blocks, dst_blocks, src_head,
+                                      dst_head, num_heads, staging, make_room)
         if self._writer is not None and self._required:
             raise TransportError(
                 f"transport={self._required} cannot write head slices into decode "
@@ -185,49 +207,99 @@ class TcpSendChannel(SendChannel):
         except OSError as e:
             self._fail(f"send to {self._endpoint} failed: {e}")
             raise TransportError(f"send to decode {self._endpoint} failed: {e}") from None
-        return nbytes
+        return PendingWrite(transfer_id, nbytes)
 
-    def _write_slices_direct(self, transfer_id: str, layers: Sequence[int],
-                             src_blocks: Sequence[int], dst_blocks: Sequence[int],
-                             src_head: int, dst_head: int, num_heads: int,
-                             staging: torch.Tensor) -> int:
-        """Ask D for a receive-ring slot, gather and write into it, report the write: D
-        scatters the slot into its blocks before it frees the slot and closes the write."""
+    def _post_to_ring(self, transfer_id: str, layers: Sequence[int], src_blocks: Sequence[int],
+                      dst_blocks: Sequence[int], src_head: int, dst_head: int, num_heads: int,
+                      staging: torch.Tensor, make_room: Callable[[], bool] | None
+                      ) -> PendingWrite:
+        """Ask D for a receive-ring slot, gather into it and post the write. D scatters the
+        slot into its blocks when ``finish_slices`` reports the write, then frees the slot."""
         assert self._writer is not None
         nbytes = len(layers) * len(src_blocks) * self._blocks.slice_bytes(num_heads)
         grant = self._ask(DirectWrite(transfer_id=transfer_id, seq=0, layers=list(layers),
                                       dst_blocks=list(dst_blocks), first_head=dst_head,
                                       num_heads=num_heads, nbytes=nbytes,
-                                      plane=self._writer.plane))
+                                      plane=self._writer.plane), make_room)
         if not grant.ok:
-            return 0
+            return PendingWrite(transfer_id, 0)
+        try:
+            staged = self._writer.post_staged(self._blocks.local_heads, layers, src_blocks,
+                                              src_head, num_heads, staging, grant.slot)
+        except (DirectWriteFailed, ValueError) as e:
+            self._send(DirectWritten(transfer_id=transfer_id, seq=grant.seq, nbytes=0))
+            raise TransportError(f"direct write to decode {self._endpoint} failed: {e}") from None
+        return PendingWrite(transfer_id, staged.nbytes, handle=(grant.seq, staged))
+
+    def finish_slices(self, pending: PendingWrite) -> int:
+        """Wait for a ring write, then report it (``DirectWritten``: D scatters the slot)."""
+        if pending.handle is None:
+            return pending.nbytes
+        assert self._writer is not None
+        (seq, staged), pending.handle = pending.handle, None
         written = 0
         try:
-            written = self._writer.write_staged(self._blocks.local_heads, layers, src_blocks,
-                                                src_head, num_heads, staging, grant.slot)
-        except (DirectWriteFailed, ValueError) as e:
+            written = self._writer.finish_staged(staged)
+        except DirectWriteFailed as e:
             raise TransportError(f"direct write to decode {self._endpoint} failed: {e}") from None
         finally:
-            self._send(DirectWritten(transfer_id=transfer_id, seq=grant.seq, nbytes=written))
+            self._send(DirectWritten(transfer_id=pending.transfer_id, seq=seq, nbytes=written))
         return written
 
-    def _ask(self, request: DirectWrite) -> WriteGrant:
-        """Send ``request`` under the next sequence number and wait for D's grant."""
+    def _ask(self, request: DirectWrite, make_room: Callable[[], bool] | None = None
+             ) -> WriteGrant:
+        """Send ``request`` under the next sequence number and wait for D's grant. With
+        ``make_room`` (the caller has ring writes in flight), a grant that does not come at
+        once may be waiting for a slot one of those writes holds: ``make_room`` finishes the
+        oldest (False: none left), then the wait goes on."""
         self._seq += 1
         request.seq = self._seq
         self._send(request)
-        try:
-            grant = self._grants.get(timeout=self._io_timeout)
-        except queue.Empty:
-            grant = None
-        if grant is None or grant.seq != request.seq:
-            reason = (f"decode {self._endpoint} did not grant write {request.seq} within "
-                      f"io_timeout_s={self._io_timeout:.0f}" if grant is None else
-                      f"decode {self._endpoint} granted write {grant.seq}, expected "
-                      f"{request.seq}")
+        deadline = time.monotonic() + self._io_timeout
+        grant: WriteGrant | None | object = _NO_GRANT_YET
+        while make_room is not None:
+            grant = self._take_grant(GRANT_PATIENCE_S)
+            if grant is not _NO_GRANT_YET:
+                break
+            try:
+                if not make_room():
+                    break
+            except BaseException:
+                self._settle(request, deadline)
+                raise
+        if grant is _NO_GRANT_YET:
+            grant = self._take_grant(deadline - time.monotonic())
+        if not isinstance(grant, WriteGrant) or grant.seq != request.seq:
+            reason = (f"decode {self._endpoint} granted write {grant.seq}, expected "
+                      f"{request.seq}" if isinstance(grant, WriteGrant) else
+                      f"decode {self._endpoint} did not grant write {request.seq} within "
+                      f"io_timeout_s={self._io_timeout:.0f}")
             self._fail(reason)
             raise TransportError(reason)
         return grant
+
+    def _take_grant(self, timeout: float) -> WriteGrant | None | object:
+        """The next grant; None once the connection failed; ``_NO_GRANT_YET`` after
+        ``timeout``."""
+        try:
+            return self._grants.get(timeout=max(0.0, timeout))
+        except queue.Empty:
+            return _NO_GRANT_YET
+
+    def _settle(self, request: DirectWrite, deadline: float) -> None:
+        """A request is out but its writer gave up (``make_room`` failed): take D's grant all
+        the same and hand a granted slot straight back, so that the next grant on this
+        connection is the next request's, and D's ring loses nothing."""
+        grant = self._take_grant(deadline - time.monotonic())
+        if not isinstance(grant, WriteGrant) or grant.seq != request.seq:
+            self._fail(f"decode {self._endpoint} did not answer write {request.seq}")
+            return
+        if grant.ok:
+            try:
+                self._send(DirectWritten(transfer_id=request.transfer_id, seq=grant.seq,
+                                         nbytes=0))
+            except TransportError:
+                pass
 
     def send_nearly_done(self, transfer_id: str, tp_rank: int, eta_s: float) -> None:
         self._send(TransferNearlyDone(transfer_id=transfer_id, tp_rank=tp_rank,
@@ -416,6 +488,9 @@ class TcpTransport(Transport):
         scratch = memoryview(bytearray(SCRATCH_BYTES))
         granted: dict[int, tuple[DirectWrite, int, RecvRing | None]] = {}
         """seq -> (request, ring slot or -1, its ring) of direct writes in progress."""
+        waiting: deque[tuple[DirectWrite, RecvRing, float]] = deque()
+        """Ring writes accepted by the bookkeeping and waiting for a free slot, oldest first,
+        with the time by which one must be free."""
         rings: dict[str, RecvRing] = {}
         """plane name -> the receive ring offered to this sender with it."""
         try:
@@ -444,7 +519,11 @@ class TcpTransport(Transport):
                                                 exports=exports))
             while not self._stop.is_set():
                 # Idle between transfers is fine; once a message starts, io_timeout applies.
-                if not framing.wait_readable(conn, 1.0):
+                # A ring write waiting for a slot is retried between messages: the thread
+                # keeps reading, since the write that frees a slot may be this sender's own.
+                if waiting:
+                    self._grant_waiting(conn, waiting, granted, sink)
+                if not framing.wait_readable(conn, SLOT_POLL_S if waiting else 1.0):
                     continue
                 msg = framing.recv_message(conn)
                 if isinstance(msg, BlockData):
@@ -452,13 +531,20 @@ class TcpTransport(Transport):
                                          (hello.engine_id, hello.tp_rank))
                 elif isinstance(msg, DirectWrite) and exports:
                     ok = self._grant(msg, sink, blocks, (hello.engine_id, hello.tp_rank))
-                    slot, ring = -1, rings.get(msg.plane) if msg.num_heads else None
+                    ring = rings.get(msg.plane) if msg.num_heads else None
                     if ok and msg.num_heads:
-                        slot = self._ring_slot(msg, ring, sink)
-                        ok = slot >= 0
+                        if not self._fits_ring(msg, ring, sink):
+                            ok = False
+                        else:  # granted in turn, when a slot is free (back-pressure)
+                            assert ring is not None
+                            waiting.append((msg, ring, time.monotonic() + self._ring_wait_s))
+                            self._grant_waiting(conn, waiting, granted, sink)
+                            if waiting and waiting[-1][0] is msg:
+                                ring.waits += 1
+                            continue
                     if ok:
-                        granted[msg.seq] = (msg, slot, ring)
-                    framing.send_message(conn, WriteGrant(seq=msg.seq, ok=ok, slot=slot))
+                        granted[msg.seq] = (msg, -1, None)
+                    framing.send_message(conn, WriteGrant(seq=msg.seq, ok=ok, slot=-1))
                 elif isinstance(msg, DirectWritten) and msg.seq in granted:
                     request, slot, ring = granted.pop(msg.seq)
                     nbytes = msg.nbytes
@@ -477,25 +563,29 @@ class TcpTransport(Transport):
                 else:
                     raise TransportError(f"unexpected {type(msg).__name__} on a data connection")
         except (OSError, framing.PeerClosed, TransportError, Exception) as e:  # noqa: BLE001
-            self._release_grants(granted, sink)
+            self._release_grants(granted, waiting, sink)
             if not self._stop.is_set() and hello is not None:
                 sink.on_source_lost(hello.engine_id, hello.tp_rank, f"connection lost: {e}")
         finally:
-            self._release_grants(granted, sink)
+            self._release_grants(granted, waiting, sink)
             with self._lock:
                 self._conns.discard(conn)
             conn.close()
 
     def _release_grants(self, granted: dict[int, tuple[DirectWrite, int, RecvRing | None]],
+                        waiting: deque[tuple[DirectWrite, RecvRing, float]],
                         sink: ReceiveSink) -> None:
-        """The connection ended with writes granted: they are over. P closes its socket only
-        between writes (its sender thread owns both), and the writes of a P that died die with
-        it (its CUDA context, its NIXL / Mooncake engine)."""
+        """The connection ended with writes granted (or waiting for a slot): they are over. P
+        closes its socket only between writes (its sender thread owns both), and the writes of
+        a P that died die with it (its CUDA context, its NIXL / Mooncake engine)."""
         for request, slot, ring in granted.values():
             if slot >= 0 and ring is not None:
                 ring.release(slot)
             sink.end_write(request.transfer_id, 0)
         granted.clear()
+        for request, _, _ in waiting:
+            sink.end_write(request.transfer_id, 0)
+        waiting.clear()
 
     # ------------------------------------------------------------------ D side, head slices
     def _ring_for(self, blocks: BlockIO, plane: DirectPlane, tp_differs: bool
@@ -533,17 +623,41 @@ class TcpTransport(Transport):
                             "%d MiB", slots, slot_bytes >> 20)
             return self._host_ring
 
-    def _ring_slot(self, msg: DirectWrite, ring: RecvRing | None, sink: ReceiveSink) -> int:
-        """A free slot for a head-slice write, waiting for one (back-pressure); -1 (and the
-        write refused, the transfer failed) when there is none in time or it cannot fit."""
-        try:
-            if ring is None:
-                raise StagingError("this connection has no receive ring")
-            return ring.acquire(msg.nbytes, self._ring_wait_s)
-        except StagingError as e:
+    @staticmethod
+    def _fits_ring(msg: DirectWrite, ring: RecvRing | None, sink: ReceiveSink) -> bool:
+        """Whether a ring write can be served at all; if not, the write is refused and the
+        transfer failed, saying why."""
+        reason = ("this connection has no receive ring" if ring is None else
+                  f"{msg.nbytes} B exceed the receive-ring slot of {ring.slot_bytes} B; give "
+                  "prefill a staging_buffer_mb no larger than decode's"
+                  if msg.nbytes > ring.slot_bytes else "")
+        if reason:
             sink.end_write(msg.transfer_id, 0)
-            sink.on_abort(msg.transfer_id, f"head-slice write refused: {e}")
-            return -1
+            sink.on_abort(msg.transfer_id, f"head-slice write refused: {reason}")
+        return not reason
+
+    def _grant_waiting(self, conn: socket.socket,
+                       waiting: deque[tuple[DirectWrite, RecvRing, float]],
+                       granted: dict[int, tuple[DirectWrite, int, RecvRing | None]],
+                       sink: ReceiveSink) -> None:
+        """Grant the waiting ring writes, in order, while slots are free; refuse (and fail the
+        transfer of) one whose wait ran out. The caller's thread never blocks on the ring: P
+        may hold a slot for a write it reports only once its next write is granted."""
+        while waiting:
+            msg, ring, deadline = waiting[0]
+            slot = ring.try_acquire(msg.nbytes)
+            if slot is None:
+                if time.monotonic() < deadline:
+                    return
+                sink.end_write(msg.transfer_id, 0)
+                sink.on_abort(msg.transfer_id, "head-slice write refused: no receive-ring slot "
+                              f"was freed within {self._ring_wait_s:.1f} s")
+                ok = False
+            else:
+                granted[msg.seq] = (msg, slot, ring)
+                ok = True
+            waiting.popleft()
+            framing.send_message(conn, WriteGrant(seq=msg.seq, ok=ok, slot=slot if ok else -1))
 
     def _scatter_slot(self, request: DirectWrite, slot: int, nbytes: int,
                       ring: RecvRing | None, blocks: BlockIO) -> int:
