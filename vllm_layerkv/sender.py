@@ -326,6 +326,10 @@ class Sender:
                 except BaseException:
                     pool.release(buf)
                     raise
+                if self._tracer.enabled:  # from the buffer to the write posted
+                    self._tracer.event("piece_posted", transfer_id=out.transfer_id,
+                                       nbytes=pending.nbytes, seconds=time.monotonic() - t,
+                                       in_flight=len(in_flight) + 1)
                 in_flight.append((t, buf, pending))
             while in_flight:
                 self._land(out, endpoint, channel, pool, *in_flight.popleft())
@@ -343,10 +347,14 @@ class Sender:
               pool: staging.StagingPool, t_start: float, buf: torch.Tensor,
               pending: PendingWrite) -> None:
         """Finish a write ``_send_slices`` started, free its staging buffer, count it."""
+        t = time.monotonic()
         try:
             n = channel.finish_slices(pending)
         finally:
             pool.release(buf)
+        if self._tracer.enabled:  # waiting for the write (what posting the next did not hide)
+            self._tracer.event("piece_landed", transfer_id=out.transfer_id, nbytes=n,
+                               waited=time.monotonic() - t, seconds=time.monotonic() - t_start)
         self._count(out, endpoint, t_start, n)
 
     def _staging_pool(self) -> staging.StagingPool:
