@@ -19,8 +19,6 @@ Configurations (``--configs``):
                     host_bounce (auto) then moves KV through pinned host memory
   layerkv-nixl-tcp-direct  same with host_bounce=off (UCX moves GPU memory itself, over tcp)
   layerkv-nixl-tcp-serial  layerkv-nixl-tcp with writes_in_flight=1 (one bounce piece at a time)
-  layerkv-nixl-tcp-g16  layerkv-nixl-tcp with group_size=16 (two groups of 16 layers per step:
-                    the plan for long steps before groups followed the bounce's pieces)
   layerkv-mooncake-bounce  layerkv-mooncake with host_bounce=on
   layerkv-mooncake  same with transport=mooncake (Mooncake TransferEngine, protocol tcp)
 Any P/D configuration takes a TP suffix -tpP-tpD (P's and D's --tensor-parallel-size), e.g.
@@ -178,8 +176,6 @@ LAYERKV_CONFIGS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
                                 {"UCX_TLS": "tcp,cuda_copy,self"}),
     "layerkv-nixl-tcp-serial": ({"transport": "nixl", "writes_in_flight": 1},
                                 {"UCX_TLS": "tcp,cuda_copy,self"}),
-    "layerkv-nixl-tcp-g16": ({"transport": "nixl", "group_size": 16},
-                             {"UCX_TLS": "tcp,cuda_copy,self"}),
     "layerkv-mooncake": ({"transport": "mooncake", "mooncake_protocol": "tcp"}, {}),
     "layerkv-mooncake-bounce": ({"transport": "mooncake", "mooncake_protocol": "tcp",
                                  "host_bounce": "on"}, {}),

@@ -97,10 +97,7 @@ class PrefillWorker:
             return
         num_layers = self._layout.num_layers
         avg_tokens = sum(t.new_tokens for t in streamed) // len(streamed)
-        avg_bytes = sum(self._step_bytes(t) for t in streamed) // len(streamed)
-        piece_bytes = max(self._sender.piece_bytes(t.peer) for t in streamed)
-        groups = split_layers(num_layers, plan_group_size(num_layers, avg_tokens, self._config,
-                                                          avg_bytes, piece_bytes))
+        groups = split_layers(num_layers, plan_group_size(num_layers, avg_tokens, self._config))
         # the penultimate group of a step that ends a transfer announces the end to D
         ends_transfer = any(t.final for t in streamed)
         t_planned = time.monotonic()
@@ -117,12 +114,6 @@ class PrefillWorker:
                                tokens=avg_tokens, tasks=len(streamed),
                                transfer_ids=[t.transfer_id for t in streamed],
                                final=[t.transfer_id for t in streamed if t.final])
-
-    def _step_bytes(self, task: SendTask) -> int:
-        """KV bytes the step writes for ``task``: its blocks of the step, every layer."""
-        groups = self._layout.layer_groups or [0] * self._layout.num_layers
-        return sum(len(task.src_blocks[g]) if g < len(task.src_blocks) else 0
-                   for g in groups) * self._layout.block_bytes
 
     def on_layer_saved(self, layer_name: str) -> None:
         group = self._group_of_end_layer.get(layer_name)

@@ -176,18 +176,6 @@ class Sender:
                     transfer_id=task.transfer_id, req_id=task.req_id, routes=routes,
                     state="open" if routes else "acked")
 
-    def piece_bytes(self, peer: Peer) -> int:
-        """The staging-buffer piece this worker's routes to ``peer`` move a layer group in, or
-        0 when they write whole groups at once (layer-group planning, grouping.py): head slices
-        (TP differs) and channels that bounce through host memory go in pieces. Before the
-        first connection to a decode rank it is not known whether its channel bounces (0)."""
-        staged = False
-        for endpoint, route in self._routes_to(peer):
-            channel = self._channels.get(endpoint)  # read from the worker thread: a hint
-            if not route.whole_block or (channel is not None and channel.bounces):
-                staged = True
-        return self._staging_shape[1] if staged else 0
-
     def shutdown(self) -> None:
         self._queue.put(None)
         self._thread.join(timeout=5)

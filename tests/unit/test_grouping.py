@@ -97,24 +97,3 @@ def test_split_layers_rejects_non_positive_size() -> None:
     for bad in (0, -1):
         with pytest.raises(ValueError, match="group_size"):
             split_layers(8, bad)
-
-
-@pytest.mark.parametrize("step_bytes,piece_bytes,expected", [
-    (1 << 30, 64 << 20, 4),    # 16 pieces' worth: max stages (8 groups of 4 layers)
-    (256 << 20, 64 << 20, 8),  # 4 pieces: 4 groups of 8 layers
-    (64 << 20, 64 << 20, 16),  # one piece: the rule's 2 groups stand
-    (1 << 30, 0, 16),          # whole groups at once: the rule alone
-])
-def test_steps_moved_in_pieces_get_a_group_per_piece_up_to_max_stages(
-        step_bytes: int, piece_bytes: int, expected: int) -> None:
-    """A long step (the rule alone: min stages, 2 groups of 16 of 32 layers) whose routes move
-    groups in staging-buffer pieces anyway gets up to one group per piece, at most
-    max_pipeline_stages, so that its first group leaves sooner at no extra transfer count."""
-    assert plan_group_size(32, 8192, ADAPTIVE, step_bytes, piece_bytes) == expected
-
-
-def test_pieces_never_override_a_fixed_group_size_or_layerwise_off() -> None:
-    fixed = LayerKVConfig(group_size=16)
-    assert plan_group_size(32, 8192, fixed, 1 << 30, 64 << 20) == 16
-    off = LayerKVConfig(layerwise=False)
-    assert plan_group_size(32, 8192, off, 1 << 30, 64 << 20) == 32

@@ -219,10 +219,6 @@ def test_slices_land_in_every_decode_rank(cluster, transport, heads, p_tp, d_tp)
     c.send("t1", src[3:], dst[3:], final=True)   # chunk 2
     c.wait_done("t1")
     c.check(list(zip(src, dst)))
-    # layer-group planning hears that head slices go in staging-buffer pieces (from the P
-    # ranks that feed a decode rank at all; with replicated heads some feed none)
-    feeding = [p for p in c.p if p.sender._routes_to(c.peer)]
-    assert {p.sender.piece_bytes(c.peer) for p in feeding} == {1 << 20 if p_tp != d_tp else 0}
     if transport != "tcp":  # the engine wrote the slices (equal TP: whole blocks, no ring)
         sliced = p_tp != d_tp
         assert (c.ring_writers() > 0) == sliced
