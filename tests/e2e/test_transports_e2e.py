@@ -48,21 +48,30 @@ def test_default_transport_is_auto_and_logged(cluster: PDCluster) -> None:
     assert transports_used(log) in ("nixl", "mooncake", "tcp")
 
 
-@pytest.mark.parametrize("transport", ["tcp", "nixl", "mooncake"])
+BOUNCE = {"host_bounce": "on", "staging_buffer_mb": 1, "writes_in_flight": 2}
+"""``nixl+bounce``: every layer group through D's receive ring in host memory, in 1 MiB pieces
+(a 512-token chunk of SmolLM2's 15-layer group is about 12), two in flight."""
+
+
+@pytest.mark.parametrize("transport", ["tcp", "nixl", "mooncake", "nixl+bounce"])
 def test_transport_outputs_token_identical(transport: str, cluster: PDCluster,
                                            tmp_path: Path) -> None:
     assert cluster.reference is not None
     expected = [generate(cluster.reference.url, p) for p in SAMPLE]
+    engine, _, variant = transport.partition("+")
+    extra = {"transport": engine, **(BOUNCE if variant == "bounce" else {})}
     spec = ClusterSpec(model=model_path("smollm2"), workdir=tmp_path, with_reference=False,
-                       prefill_extra={"transport": transport},
-                       decode_extra={"transport": transport})
+                       prefill_extra=extra, decode_extra=extra)
     with PDCluster(spec) as pd:
         assert pd.proxy is not None
         got = [generate(pd.proxy.url, p) for p in SAMPLE]
         for server in (pd.prefill, pd.decode):
             readings = wait_idle(server)
             assert not any(readings.values()), f"{server.log_path.stem} leaked: {readings}"
-        used = transports_used(pd.prefill.log_path.read_text(errors="replace"))
-    assert used == transport
+        p_log = pd.prefill.log_path.read_text(errors="replace")
+        used = transports_used(p_log)
+    assert used == engine
+    if variant == "bounce":
+        assert "through pinned host memory (host_bounce)" in p_log
     mismatches = [i for i, (e, g) in enumerate(zip(expected, got)) if e != g]
     assert not mismatches, f"prompts {mismatches} differ over {transport}"
