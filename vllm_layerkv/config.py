@@ -51,7 +51,7 @@ class LayerKVConfig:
     for one worker, so the default stays 0."""
     host_bounce: str = "auto"
     """NIXL / Mooncake with KV on a GPU: move each layer group through pinned host memory
-    (P copies it into a registered host buffer, the engine writes that into a receive ring in
+    (P copies it into a registered pinned host buffer, the engine writes that into a ring in
     D's host memory, D copies it into its blocks) instead of handing GPU memory to the engine.
     For engine paths that cannot move GPU memory well: NIXL with UCX over tcp moved KV at
     0.47 GB/s from GPU to GPU, where it moves host memory at several GB/s. "on" / "off";
@@ -131,8 +131,8 @@ class LayerKVConfig:
     none free waits (up to io_timeout_s), never overwriting data not yet sent."""
     writes_in_flight: int = 2
     """P: ring writes (different TP through a direct plane, or ``host_bounce``) a sender keeps
-    in flight per layer group and decode rank: while the engine moves one piece, the next is
-    gathered and posted, and D scatters the one before. Each holds a staging buffer, so the
+    in flight per layer group and decode rank: P posts the next piece before it waits for the
+    last, and D scatters one piece while the next is written. Each holds a staging buffer, so the
     sender uses at most ``staging_buffers``; D's ``recv_ring_slots`` bound it too (D delays
     grants). 1 = one piece at a time."""
     recv_ring_slots: int = 4

@@ -169,12 +169,16 @@ class RecvRing:
             raise StagingError(f"no receive-ring slot was freed within {timeout:.1f} s")
         return slot
 
-    def try_acquire(self, nbytes: int, timeout: float = 0.0) -> int | None:
-        """A free slot, waiting up to ``timeout`` s for one; None if none was freed. Raises
-        StagingError when ``nbytes`` cannot fit a slot at all."""
+    def check_fits(self, nbytes: int) -> None:
+        """Raise StagingError, saying what to change, when ``nbytes`` cannot fit a slot."""
         if nbytes > self.slot_bytes:
             raise StagingError(f"{nbytes} B exceed the receive-ring slot of {self.slot_bytes} B;"
                                " give prefill a staging_buffer_mb no larger than decode's")
+
+    def try_acquire(self, nbytes: int, timeout: float = 0.0) -> int | None:
+        """A free slot, waiting up to ``timeout`` s for one; None if none was freed. Raises
+        StagingError when ``nbytes`` cannot fit a slot at all."""
+        self.check_fits(nbytes)
         with self._cond:
             if not self._free:
                 if not timeout:

@@ -17,13 +17,15 @@ the ring slot D granted; D scatters the slot into its blocks when P reports the 
 
 ``host_bounce`` (NIXL, Mooncake, KV on GPUs): the engine never touches GPU memory. D's ring is
 in pinned host memory and offered to every sender; P sends whole blocks through it as well,
-gathering a layer group on its GPU and copying it into a registered pinned host buffer, which
-the engine writes into D's ring slot; D copies the slot to its GPU and scatters it. For engine
+gathering a layer group on its GPU and copying it into the staging buffer's registered pinned
+host twin, which the engine writes into D's ring slot; D copies the slot to its GPU and
+scatters it. For engine
 paths that move host memory far faster than GPU memory (UCX over tcp).
 
 Ring writes come in two halves, ``post_staged`` and ``finish_staged``, so that the sender can
-keep several in flight (``writes_in_flight``): while the engine moves one piece, P gathers and
-copies out the next, and D scatters the one before.
+keep several in flight (``writes_in_flight``): P posts the next piece before it waits for the
+last, and D scatters one piece while the next is written. How much more overlaps depends on the
+engine: NIXL over UCX tcp does much of a WRITE inside the post call, on the sender's thread.
 
 Planes: ``cuda_ipc.py`` (same host, KV on CUDA), ``nixl.py`` (NIXL agents: UCX, libfabric...),
 ``mooncake.py`` (Mooncake TransferEngine, tcp or rdma).

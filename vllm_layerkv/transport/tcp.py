@@ -49,7 +49,7 @@ from vllm_layerkv.protocol import (
     TransferNearlyDone,
     WriteGrant,
 )
-from vllm_layerkv.staging import RecvRing, scatter
+from vllm_layerkv.staging import RecvRing, StagingError, scatter
 from vllm_layerkv.transport import faults, framing
 from vllm_layerkv.transport.base import (
     PendingWrite,
@@ -627,14 +627,15 @@ class TcpTransport(Transport):
     def _fits_ring(msg: DirectWrite, ring: RecvRing | None, sink: ReceiveSink) -> bool:
         """Whether a ring write can be served at all; if not, the write is refused and the
         transfer failed, saying why."""
-        reason = ("this connection has no receive ring" if ring is None else
-                  f"{msg.nbytes} B exceed the receive-ring slot of {ring.slot_bytes} B; give "
-                  "prefill a staging_buffer_mb no larger than decode's"
-                  if msg.nbytes > ring.slot_bytes else "")
-        if reason:
+        try:
+            if ring is None:
+                raise StagingError("this connection has no receive ring")
+            ring.check_fits(msg.nbytes)
+        except StagingError as e:
             sink.end_write(msg.transfer_id, 0)
-            sink.on_abort(msg.transfer_id, f"head-slice write refused: {reason}")
-        return not reason
+            sink.on_abort(msg.transfer_id, f"head-slice write refused: {e}")
+            return False
+        return True
 
     def _grant_waiting(self, conn: socket.socket,
                        waiting: deque[tuple[DirectWrite, RecvRing, float]],
