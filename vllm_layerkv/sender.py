@@ -288,16 +288,11 @@ class Sender:
                      layers: list[int], src: list[int], dst: list[int],
                      route: tp.Route) -> None:
         """A route's head slice of ``layers`` x blocks (whole blocks through a channel that
-        ``bounces``), in pieces: one per staging buffer's worth (or, with ``tp_staging`` off and
-        TP different, one per (layer, block)), each in a staging buffer of its own.
-
-        Up to ``writes_in_flight`` pieces hold a buffer at once. Where the channel
-        ``gathers_ahead``, one of them is the next piece, gathered on the device while the
-        current one is posted (over UCX tcp, NIXL's post call sends much of the write on this
-        thread, so the device would otherwise idle meanwhile); the others are writes posted
-        and not yet finished. Every write started is finished, in order, before this returns,
-        also when one fails: a later chunk's writes (which may cover a block again) must land
-        after these."""
+        ``bounces``): one transfer per staging buffer's worth (or, with ``tp_staging`` off and
+        TP different, one per (layer, block)), up to ``writes_in_flight`` of them at once, each
+        in a staging buffer of its own. Every write started is finished, in order, before this
+        returns, also when one fails: a later chunk's writes (which may cover a block again)
+        must land after these."""
         pool = self._staging_pool()
         per_block = self._blocks.slice_bytes(route.num_heads)
         if self._tp_staging or route.whole_block:
@@ -305,12 +300,7 @@ class Sender:
         else:
             parts = [(slice(i, i + 1), slice(j, j + 1))
                      for i in range(len(layers)) for j in range(len(src))]
-        pieces = [(layers[lp], src[bp], dst[bp]) for lp, bp in parts]
-        depth = self._writes_in_flight
-        ahead = depth > 1 and channel.gathers_ahead
         in_flight: deque[tuple[float, torch.Tensor, PendingWrite]] = deque()
-        gathered_next: tuple[float, torch.Tensor, Any] | None = None
-        """The next piece, gathered ahead: (when, its buffer, what gather_ahead returned)."""
 
         def make_room() -> bool:  # D may wait for a slot our oldest write holds
             if not in_flight:
@@ -318,47 +308,32 @@ class Sender:
             self._land(out, endpoint, channel, pool, *in_flight.popleft())
             return True
 
-        def buffer_for(piece_layers: list[int], piece_src: list[int]) -> torch.Tensor:
-            try:
-                return pool.acquire(len(piece_layers) * len(piece_src) * per_block,
-                                    self._io_timeout)
-            except staging.StagingError as e:
-                raise TransportError(f"staging buffer: {e}") from None
-
         try:
-            for i, (piece_layers, piece_src, piece_dst) in enumerate(pieces):
-                if gathered_next is not None:
-                    (t, buf, gathered), gathered_next = gathered_next, None
-                else:
-                    if len(in_flight) >= depth:
-                        self._land(out, endpoint, channel, pool, *in_flight.popleft())
-                    t, buf, gathered = time.monotonic(), buffer_for(piece_layers, piece_src), None
+            for layer_part, block_part in parts:
+                if len(in_flight) >= self._writes_in_flight:
+                    self._land(out, endpoint, channel, pool, *in_flight.popleft())
+                t = time.monotonic()
                 try:
-                    if ahead and i + 1 < len(pieces):
-                        if len(in_flight) + 2 > depth:  # this piece + the next hold buffers
-                            self._land(out, endpoint, channel, pool, *in_flight.popleft())
-                        gathered_next = self._gather_ahead(channel, pieces[i + 1], route,
-                                                           buffer_for(*pieces[i + 1][:2]), pool)
-                    pending = channel.start_slices(out.transfer_id, piece_layers, piece_src,
-                                                   piece_dst, route.src_head, route.dst_head,
-                                                   route.num_heads, buf, make_room, gathered)
+                    buf = pool.acquire(len(layers[layer_part]) * len(src[block_part])
+                                       * per_block, self._io_timeout)
+                except staging.StagingError as e:
+                    raise TransportError(f"staging buffer: {e}") from None
+                try:
+                    pending = channel.start_slices(out.transfer_id, layers[layer_part],
+                                                   src[block_part], dst[block_part],
+                                                   route.src_head, route.dst_head,
+                                                   route.num_heads, buf, make_room)
                 except BaseException:
-                    if gathered is not None:
-                        channel.abandon_gathered(gathered)
                     pool.release(buf)
                     raise
                 if self._tracer.enabled:  # from the buffer to the write posted
                     self._tracer.event("piece_posted", transfer_id=out.transfer_id,
                                        nbytes=pending.nbytes, seconds=time.monotonic() - t,
-                                       in_flight=len(in_flight) + 1,
-                                       gathered_ahead=gathered is not None)
+                                       in_flight=len(in_flight) + 1)
                 in_flight.append((t, buf, pending))
             while in_flight:
                 self._land(out, endpoint, channel, pool, *in_flight.popleft())
         finally:
-            if gathered_next is not None:  # a write failed before the next piece was posted
-                channel.abandon_gathered(gathered_next[2])
-                pool.release(gathered_next[1])
             while in_flight:  # a write failed: the others still read their buffers
                 _, buf, pending = in_flight.popleft()
                 try:
@@ -367,20 +342,6 @@ class Sender:
                     pass  # the transfer fails with the first error
                 finally:
                     pool.release(buf)
-
-    @staticmethod
-    def _gather_ahead(channel: SendChannel, piece: tuple[list[int], list[int], list[int]],
-                      route: tp.Route, buf: torch.Tensor, pool: staging.StagingPool
-                      ) -> tuple[float, torch.Tensor, Any]:
-        """Queue ``piece``'s gather into ``buf`` (which this then owns, or releases when the
-        gather cannot start)."""
-        t = time.monotonic()
-        try:
-            return t, buf, channel.gather_ahead(piece[0], piece[1], route.src_head,
-                                                route.num_heads, buf)
-        except BaseException:
-            pool.release(buf)
-            raise
 
     def _land(self, out: Outgoing, endpoint: str, channel: SendChannel,
               pool: staging.StagingPool, t_start: float, buf: torch.Tensor,

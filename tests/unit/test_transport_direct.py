@@ -12,7 +12,6 @@ mapping only: "exporting" registers D's host tensors in this process, "mapping" 
 
 from __future__ import annotations
 
-import ctypes
 import threading
 import time
 import uuid
@@ -47,14 +46,7 @@ from vllm_layerkv.trace import Tracer
 from vllm_layerkv.transport import create_transport, framing
 from vllm_layerkv.transport.base import TransportError
 from vllm_layerkv.transport.cuda_ipc import MAX_RUN_COPIES, CudaIpcPlane, copy_blocks
-from vllm_layerkv.transport.direct import (
-    AddressedPeer,
-    DirectUnavailable,
-    DirectWriteFailed,
-    PeerWriter,
-    host_id,
-    paired_runs,
-)
+from vllm_layerkv.transport.direct import DirectUnavailable, PeerWriter, host_id, paired_runs
 from vllm_layerkv.transport.tcp import TcpTransport
 
 _EXPORTED: dict[str, list[torch.Tensor]] = {}
@@ -362,58 +354,3 @@ def test_hello_from_an_older_sender_still_decodes() -> None:
                                   "engine_id": "p", "tp_rank": 0, "tp_size": 1})
     hello = msgspec.msgpack.decode(enc, type=Hello)
     assert hello.direct == [] and hello.host_id == ""
-
-
-# ------------------------------------------------------------------------------ gather ahead
-
-
-class MemoryPeer(AddressedPeer):
-    """An addressed peer whose engine is ``memmove`` inside this process: its "remote" ring
-    is a tensor here, so what a post writes can be read back."""
-
-    def write_runs(self, layers, runs, src_blocks, dst_blocks) -> None:
-        raise AssertionError("only ring writes in this test")
-
-    def post_span(self, buffer: torch.Tensor, nbytes: int, remote_addr: int) -> None:
-        ctypes.memmove(remote_addr, buffer.data_ptr(), nbytes)
-
-
-def memory_peer(local: list[torch.Tensor], ring: torch.Tensor) -> MemoryPeer:
-    return MemoryPeer("memory", [t.data_ptr() for t in local], local[0].shape[0],
-                      local[0].shape[1], local, register_staging=lambda t: None,
-                      ring_addr=ring.data_ptr(), ring_slots=ring.shape[0],
-                      ring_slot_bytes=ring.shape[1], ring_in_host=True, host_bounce=True)
-
-
-def test_a_piece_gathered_ahead_posts_the_same_bytes_as_one_gathered_at_the_post() -> None:
-    """``gather_ahead`` then ``post_staged(gathered=...)`` writes exactly what ``post_staged``
-    alone writes (heads 1..2 of 4, three scattered blocks of two layers)."""
-    gen = torch.Generator().manual_seed(7)
-    local = [torch.randint(0, 256, (8, 64), dtype=torch.uint8, generator=gen) for _ in range(3)]
-    ring = torch.zeros(2, 256, dtype=torch.uint8)
-    peer = memory_peer(local, ring)
-    staging_a, staging_b = torch.empty(256, dtype=torch.uint8), torch.empty(256, dtype=torch.uint8)
-    piece = (4, [0, 2], [5, 1, 6], 1, 2)  # local heads, layers, blocks, first head, heads
-    gathered = peer.gather_ahead(*piece, staging_a)
-    assert gathered.nbytes == 2 * 3 * 32
-    assert peer.finish_staged(peer.post_staged(*piece, staging_a, 0, gathered)) == 192
-    assert peer.finish_staged(peer.post_staged(*piece, staging_b, 1)) == 192
-    assert torch.equal(ring[0, :192], ring[1, :192])
-    expected = torch.cat([local[layer][block, 16:48] for layer in (0, 2) for block in (5, 1, 6)])
-    assert torch.equal(ring[0, :192], expected)
-
-
-def test_a_piece_gathered_ahead_for_other_blocks_is_refused() -> None:
-    """The sender hands each post the piece it gathered ahead; one gathered for other blocks
-    (or into another buffer) is a bug, refused before anything is written."""
-    local = [torch.ones(8, 64, dtype=torch.uint8) for _ in range(2)]
-    ring = torch.zeros(1, 256, dtype=torch.uint8)
-    peer = memory_peer(local, ring)
-    staging = torch.empty(256, dtype=torch.uint8)
-    gathered = peer.gather_ahead(4, [0, 1], [1, 2], 0, 4, staging)
-    with pytest.raises(DirectWriteFailed, match="not the one being posted"):
-        peer.post_staged(4, [0, 1], [1, 3], 0, 4, staging, 0, gathered)
-    with pytest.raises(DirectWriteFailed, match="not the one being posted"):
-        peer.post_staged(4, [0, 1], [1, 2], 0, 4, torch.empty(256, dtype=torch.uint8), 0,
-                         gathered)
-    assert not ring.any()

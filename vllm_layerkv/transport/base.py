@@ -69,37 +69,19 @@ class SendChannel(ABC):
 
     def start_slices(self, transfer_id: str, layers: Sequence[int], src_blocks: Sequence[int],
                      dst_blocks: Sequence[int], src_head: int, dst_head: int, num_heads: int,
-                     staging: torch.Tensor, make_room: Callable[[], bool] | None = None,
-                     gathered: Any = None) -> PendingWrite:
+                     staging: torch.Tensor, make_room: Callable[[], bool] | None = None
+                     ) -> PendingWrite:
         """``write_slices`` in two halves, so that a sender can keep several writes in flight
         (``writes_in_flight``): this one starts the write and may return before the bytes
         arrive; ``finish_slices`` waits for them. ``staging`` stays the caller's, untouched,
         until ``finish_slices`` returned. Writes finish in the order they started.
         ``make_room``: the caller's writes in flight may hold what this one waits for (a slot
         of D's ring); while it waits the channel calls ``make_room``, which finishes the
-        caller's oldest write and returns True, or False when it has none. ``gathered``: what
-        ``gather_ahead`` returned for this piece, if it was called. Default: the whole write,
-        now."""
+        caller's oldest write and returns True, or False when it has none. Default: the whole
+        write, now."""
         return PendingWrite(transfer_id, self.write_slices(
             transfer_id, layers, src_blocks, dst_blocks, src_head, dst_head, num_heads,
             staging))
-
-    @property
-    def gathers_ahead(self) -> bool:
-        """``gather_ahead`` works on this channel (writes that go through D's ring)."""
-        return False
-
-    def gather_ahead(self, layers: Sequence[int], src_blocks: Sequence[int], src_head: int,
-                     num_heads: int, staging: torch.Tensor) -> Any:
-        """Queue the gather of the piece a later ``start_slices`` with the same arguments will
-        write, without waiting for the device, so that it overlaps the write started before
-        it. Returns what that ``start_slices`` takes as ``gathered``. The caller that gives up
-        on the piece instead calls ``abandon_gathered`` before it reuses ``staging``."""
-        raise TransportError(f"{type(self).__name__} cannot gather ahead")
-
-    def abandon_gathered(self, gathered: Any) -> None:
-        """Wait until a piece ``gather_ahead`` queued and no write took is in its buffer, so
-        that the buffer may be reused (errors are the transfer's, reported elsewhere)."""
 
     def finish_slices(self, pending: PendingWrite) -> int:
         """Wait until the write ``start_slices`` started is in the peer's memory and reported

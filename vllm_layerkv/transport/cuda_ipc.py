@@ -33,7 +33,6 @@ from vllm_layerkv.transport.direct import (
     DirectPlane,
     DirectUnavailable,
     DirectWriteFailed,
-    GatheredSlices,
     PeerWriter,
     StagedWrite,
     check_blocks,
@@ -137,12 +136,10 @@ class PeerKV(PeerWriter):
         return view
 
     def post_staged(self, local_heads: int, layers: Sequence[int], src_blocks: Sequence[int],
-                    src_head: int, num_heads: int, staging: torch.Tensor, slot: int,
-                    gathered: GatheredSlices | None = None) -> StagedWrite:
+                    src_head: int, num_heads: int, staging: torch.Tensor, slot: int
+                    ) -> StagedWrite:
         """Gather the head slices on P's GPU, then one copy into D's ring slot, both queued
-        on this writer's stream; ``finish_staged`` waits for the copy's event. (Nothing to
-        gather ahead: this call waits for nothing, so the next piece's gather follows it on
-        the stream anyway; ``gathered`` is always None.)"""
+        on this writer's stream; ``finish_staged`` waits for the copy's event."""
         if self._ring is None or not 0 <= slot < self._ring.shape[0]:
             raise DirectWriteFailed(f"decode granted receive-ring slot {slot}, which this "
                                     "writer has not mapped")

@@ -120,39 +120,6 @@ def check_blocks(blocks: Sequence[int], num_blocks: int) -> None:
         raise ValueError(f"block id out of range 0..{num_blocks - 1} in {list(blocks)[:8]}")
 
 
-def _piece_key(local_heads: int, layers: Sequence[int], src_blocks: Sequence[int],
-               src_head: int, num_heads: int, staging: torch.Tensor) -> tuple[Any, ...]:
-    return (local_heads, tuple(layers), tuple(src_blocks), src_head, num_heads,
-            staging.data_ptr())
-
-
-@dataclass
-class GatheredSlices:
-    """A piece of head slices ``PeerWriter.gather_ahead`` queued into a staging buffer (and,
-    with ``host_bounce``, into its pinned host twin) for a later ``post_staged`` of the same
-    piece. On a GPU the gather and the copy to host run on the writer's stream while the
-    sender thread does something else, e.g. posting the previous piece: over UCX tcp NIXL's
-    post call itself sends much of a write."""
-
-    key: tuple[Any, ...]
-    """What was gathered (heads, layers, blocks, staging buffer): ``post_staged`` refuses a
-    piece gathered for other arguments."""
-    nbytes: int
-    source: torch.Tensor
-    """What the engine writes from: the staging buffer, or its host twin."""
-    done: Any = None
-    """A CUDA event recorded after the gather (and copy); None when already complete."""
-
-    def wait(self) -> None:
-        """Return once the gathered bytes are in ``source``."""
-        if self.done is not None:
-            try:
-                self.done.synchronize()
-            except RuntimeError as e:
-                raise DirectWriteFailed(f"gathering head slices failed: {e}") from None
-            self.done = None
-
-
 @dataclass
 class StagedWrite:
     """A ring write ``PeerWriter.post_staged`` posted; ``finish_staged`` waits for it."""
@@ -196,23 +163,12 @@ class PeerWriter(ABC):
                                                    num_heads, staging, slot))
 
     def post_staged(self, local_heads: int, layers: Sequence[int], src_blocks: Sequence[int],
-                    src_head: int, num_heads: int, staging: torch.Tensor, slot: int,
-                    gathered: GatheredSlices | None = None) -> StagedWrite:
+                    src_head: int, num_heads: int, staging: torch.Tensor, slot: int
+                    ) -> StagedWrite:
         """``write_staged`` up to posting the write: the bytes are in the ring slot only once
         ``finish_staged`` returned, and until then ``staging`` (and its host twin) must stay
-        untouched. ``gathered``: this piece, already gathered by ``gather_ahead``."""
+        untouched."""
         raise DirectWriteFailed(f"{type(self).__name__} cannot write head slices")
-
-    gathers_ahead: bool = False
-    """``gather_ahead`` works: the writer can gather a piece before D grants its slot."""
-
-    def gather_ahead(self, local_heads: int, layers: Sequence[int], src_blocks: Sequence[int],
-                     src_head: int, num_heads: int, staging: torch.Tensor) -> GatheredSlices:
-        """Queue the gather of a piece ``post_staged`` will post later (with the same
-        arguments and ``staging``), without waiting for it. Until that post, or until the
-        caller gave up on the piece and called ``GatheredSlices.wait``, ``staging`` and its
-        host twin stay the writer's."""
-        raise DirectWriteFailed(f"{type(self).__name__} cannot gather ahead")
 
     def finish_staged(self, write: StagedWrite) -> int:
         """Wait for a posted ring write; returns its bytes (raises DirectWriteFailed)."""
@@ -279,14 +235,15 @@ class AddressedPeer(PeerWriter):
         self.write_runs(layers, paired_runs(src_blocks, dst_blocks), src_blocks, dst_blocks)
         return len(layers) * len(src_blocks) * self.block_bytes
 
-    gathers_ahead = True
-
-    def gather_ahead(self, local_heads: int, layers: Sequence[int], src_blocks: Sequence[int],
-                     src_head: int, num_heads: int, staging: torch.Tensor) -> GatheredSlices:
-        """Gather the head slices into ``staging`` (on the KV's device); with ``host_bounce``
-        on a GPU, copy them on to ``staging``'s pinned host twin, which the engine writes
-        from. On a GPU both are queued on this writer's stream and the call returns at once;
-        on CPU the gather is done on return."""
+    def post_staged(self, local_heads: int, layers: Sequence[int], src_blocks: Sequence[int],
+                    src_head: int, num_heads: int, staging: torch.Tensor, slot: int
+                    ) -> StagedWrite:
+        """Gather the head slices into ``staging`` (on the KV's device), then post one write of
+        the filled prefix into ring slot ``slot``; with ``host_bounce`` on a GPU, the engine
+        writes from a pinned host copy of it (``staging``'s host twin)."""
+        if not 0 <= slot < self.ring_slots:
+            raise DirectWriteFailed(f"decode granted receive-ring slot {slot}, but offered "
+                                    f"{self.ring_slots} slots")
         check_blocks(src_blocks, self.local_blocks)
         try:
             n = len(layers) * len(src_blocks) * slice_bytes(self.local[0].shape[1], local_heads,
@@ -296,9 +253,8 @@ class AddressedPeer(PeerWriter):
         if n > self.ring_slot_bytes:
             raise DirectWriteFailed(f"{n} B of slices exceed decode's {self.ring_slot_bytes} B "
                                     "ring slot")
-        key = _piece_key(local_heads, layers, src_blocks, src_head, num_heads, staging)
         if not n:
-            return GatheredSlices(key, 0, staging)
+            return StagedWrite(0)
         source = staging
         if self.host_bounce and self._stream is not None:
             assert self._host_staging is not None
@@ -307,7 +263,6 @@ class AddressedPeer(PeerWriter):
             except Exception as e:  # noqa: BLE001 - engines raise their own types
                 raise DirectWriteFailed(f"{self.plane}: cannot make or register the host "
                                         f"staging buffer: {e}") from None
-        done = None
         try:
             if self._stream is not None:
                 with torch.cuda.stream(self._stream):
@@ -315,8 +270,7 @@ class AddressedPeer(PeerWriter):
                                      local_heads, staging)
                     if source is not staging:  # host_bounce: the engine reads host memory
                         source[:n].copy_(payload, non_blocking=True)
-                    done = torch.cuda.Event()
-                    done.record(self._stream)
+                self._stream.synchronize()  # the engine reads the buffer from now on
             else:
                 gather(self.local, layers, src_blocks, src_head, num_heads, local_heads,
                        staging)
@@ -328,28 +282,8 @@ class AddressedPeer(PeerWriter):
             except Exception as e:  # noqa: BLE001 - engines raise their own types
                 raise DirectWriteFailed(f"{self.plane}: cannot register the staging buffer: "
                                         f"{e}") from None
-        return GatheredSlices(key, n, source, done)
-
-    def post_staged(self, local_heads: int, layers: Sequence[int], src_blocks: Sequence[int],
-                    src_head: int, num_heads: int, staging: torch.Tensor, slot: int,
-                    gathered: GatheredSlices | None = None) -> StagedWrite:
-        """Post one write of the gathered piece into ring slot ``slot`` (gathering it first
-        unless ``gathered`` has it), once the device has it in ``source``."""
-        if not 0 <= slot < self.ring_slots:
-            raise DirectWriteFailed(f"decode granted receive-ring slot {slot}, but offered "
-                                    f"{self.ring_slots} slots")
-        if gathered is None:
-            gathered = self.gather_ahead(local_heads, layers, src_blocks, src_head, num_heads,
-                                         staging)
-        elif gathered.key != _piece_key(local_heads, layers, src_blocks, src_head, num_heads,
-                                        staging):
-            gathered.wait()  # the caller may reuse the buffer once this raised
-            raise DirectWriteFailed("the piece gathered ahead is not the one being posted")
-        gathered.wait()  # the engine reads the buffer from now on
-        if not gathered.nbytes:
-            return StagedWrite(0)
-        return StagedWrite(gathered.nbytes, self.post_span(
-            gathered.source, gathered.nbytes, self.ring_addr + slot * self.ring_slot_bytes))
+        return StagedWrite(n, self.post_span(source, n,
+                                             self.ring_addr + slot * self.ring_slot_bytes))
 
     def finish_staged(self, write: StagedWrite) -> int:
         if write.pending is not None:

@@ -62,7 +62,6 @@ from vllm_layerkv.transport.direct import (
     DirectPlane,
     DirectUnavailable,
     DirectWriteFailed,
-    GatheredSlices,
     PeerWriter,
     host_id,
 )
@@ -181,8 +180,8 @@ class TcpSendChannel(SendChannel):
 
     def start_slices(self, transfer_id: str, layers: Sequence[int], src_blocks: Sequence[int],
                      dst_blocks: Sequence[int], src_head: int, dst_head: int, num_heads: int,
-                     staging: torch.Tensor, make_room: Callable[[], bool] | None = None,
-                     gathered: GatheredSlices | None = None) -> PendingWrite:
+                     staging: torch.Tensor, make_room: Callable[[], bool] | None = None
+                     ) -> PendingWrite:
         """Through D's receive ring when the plane has one (posted, finished by
         ``finish_slices``), else as bytes on this connection (complete on return)."""
         if len(src_blocks) != len(dst_blocks):
@@ -190,7 +189,7 @@ class TcpSendChannel(SendChannel):
         self._check_writable(transfer_id)
         if self._writer is not None and self._writer.ring_slots:
             return self._post_to_ring(transfer_id, layers, src_blocks, dst_blocks, src_head,
-                                      dst_head, num_heads, staging, make_room, gathered)
+                                      dst_head, num_heads, staging, make_room)
         if self._writer is not None and self._required:
             raise TransportError(
                 f"transport={self._required} cannot write head slices into decode "
@@ -212,11 +211,10 @@ class TcpSendChannel(SendChannel):
 
     def _post_to_ring(self, transfer_id: str, layers: Sequence[int], src_blocks: Sequence[int],
                       dst_blocks: Sequence[int], src_head: int, dst_head: int, num_heads: int,
-                      staging: torch.Tensor, make_room: Callable[[], bool] | None,
-                      gathered: GatheredSlices | None) -> PendingWrite:
-        """Ask D for a receive-ring slot, gather into it (unless ``gathered`` has done that)
-        and post the write. D scatters the slot into its blocks when ``finish_slices`` reports
-        the write, then frees the slot."""
+                      staging: torch.Tensor, make_room: Callable[[], bool] | None
+                      ) -> PendingWrite:
+        """Ask D for a receive-ring slot, gather into it and post the write. D scatters the
+        slot into its blocks when ``finish_slices`` reports the write, then frees the slot."""
         assert self._writer is not None
         nbytes = len(layers) * len(src_blocks) * self._blocks.slice_bytes(num_heads)
         grant = self._ask(DirectWrite(transfer_id=transfer_id, seq=0, layers=list(layers),
@@ -224,39 +222,14 @@ class TcpSendChannel(SendChannel):
                                       num_heads=num_heads, nbytes=nbytes,
                                       plane=self._writer.plane), make_room)
         if not grant.ok:
-            if gathered is not None:  # nothing will read it; the caller reuses the buffer
-                self.abandon_gathered(gathered)
             return PendingWrite(transfer_id, 0)
         try:
             staged = self._writer.post_staged(self._blocks.local_heads, layers, src_blocks,
-                                              src_head, num_heads, staging, grant.slot,
-                                              gathered)
+                                              src_head, num_heads, staging, grant.slot)
         except (DirectWriteFailed, ValueError) as e:
             self._send(DirectWritten(transfer_id=transfer_id, seq=grant.seq, nbytes=0))
             raise TransportError(f"direct write to decode {self._endpoint} failed: {e}") from None
         return PendingWrite(transfer_id, staged.nbytes, handle=(grant.seq, staged))
-
-    @property
-    def gathers_ahead(self) -> bool:
-        return (self._writer is not None and bool(self._writer.ring_slots)
-                and self._writer.gathers_ahead)
-
-    def gather_ahead(self, layers: Sequence[int], src_blocks: Sequence[int], src_head: int,
-                     num_heads: int, staging: torch.Tensor) -> GatheredSlices:
-        if not self.gathers_ahead:
-            raise TransportError(f"the channel to decode {self._endpoint} cannot gather ahead")
-        assert self._writer is not None
-        try:
-            return self._writer.gather_ahead(self._blocks.local_heads, layers, src_blocks,
-                                             src_head, num_heads, staging)
-        except (DirectWriteFailed, ValueError) as e:
-            raise TransportError(f"direct write to decode {self._endpoint} failed: {e}") from None
-
-    def abandon_gathered(self, gathered: GatheredSlices) -> None:
-        try:
-            gathered.wait()
-        except DirectWriteFailed:
-            pass  # the device error fails the transfer where it is waited for next
 
     def finish_slices(self, pending: PendingWrite) -> int:
         """Wait for a ring write, then report it (``DirectWritten``: D scatters the slot)."""
