@@ -1,5 +1,11 @@
 """The benchmark script's CPU smoke run: the same script the GPU numbers come from, on the tiny
-random model, single instance vs LayerKV P/D, with the greedy identity check."""
+random model, single instance vs LayerKV P/D, with the greedy identity check.
+
+Two configurations only: on the 2-core CI machine each costs 30-40 s of vLLM start-up, so this
+is as short as a run with real servers gets (about 2 min). The script's different-TP
+configurations (``layerkv-tp2-tp1``: placement, CPU binding, counters per P rank) are checked
+without servers in tests/unit/test_ttft_bench.py; tests/e2e/test_tp_e2e.py runs P TP2 / D TP1
+end to end."""
 
 from __future__ import annotations
 
@@ -20,19 +26,16 @@ def test_ttft_bench_cpu_smoke(tmp_path: Path) -> None:
     out = tmp_path / "bench"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "ttft_bench.py"), "--device", "cpu",
            "--model", str(model_path("tiny-llama")), "--configs", "single", "layerkv",
-           "layerkv-tp2-tp1",
-           "--prompt-lens", "64", "512", "--num-prompts", "2", "--identity", "3",
+           "--prompt-lens", "512", "--num-prompts", "2", "--identity", "3",
            "--max-model-len", "2048", "--trace", "--out", str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["identity"] == {"single_vs_single": 3, "layerkv_vs_single": 3,
-                                   "layerkv-tp2-tp1_vs_single": 3, "prompts": 3}
-    for config in ("single", "layerkv", "layerkv-tp2-tp1"):
-        for n in (64, 512):
-            res = summary["results"][config][f"c1_in{n}"]
-            assert res["completed"] == 2 and res["failed"] == 0
-            assert res["median_ttft_ms"] > 0
+    assert summary["identity"] == {"single_vs_single": 3, "layerkv_vs_single": 3, "prompts": 3}
+    for config in ("single", "layerkv"):
+        res = summary["results"][config]["c1_in512"]
+        assert res["completed"] == 2 and res["failed"] == 0
+        assert res["median_ttft_ms"] > 0
     # the result files vllm bench serve saved are there for the table / plots
     assert (out / "layerkv_c1_in512.json").exists()
     layerkv = summary["results"]["layerkv"]
@@ -57,9 +60,9 @@ def test_ttft_bench_cpu_smoke(tmp_path: Path) -> None:
         p_parts = [r[k] for k in ("p_intake", "reg_wait", "p_plan")]
         assert all(p >= 0 for p in p_parts), r
         assert abs(sum(p_parts) - r["start_delay"]) < 0.1, r
-    # P TP2 -> D TP1 (cores 0|1 and 1): head slices, counted by P's transfer counters: the
-    # requests P streamed KV for (at most the 9 sent: 2 + 2 measured, 3 identity, 2 warm-up;
-    # 8 in the runs seen) went as a few staged sends per rank each
-    counters = summary["results"]["layerkv-tp2-tp1"]["counters"]
-    assert 6 <= counters["requests"] <= 9, counters
+    # P's transfer counters: every request through the proxy had its KV sent (2 measured,
+    # 3 identity, 1 warm-up; prompts under min_prompt_tokens too, in one send), each in a few
+    # layer-group sends
+    counters = layerkv["counters"]
+    assert counters["requests"] == 6, counters
     assert 0 < counters["transfer_ops_per_request"] < 20, counters

@@ -46,7 +46,19 @@ MODELS = {
 }
 
 
-@pytest.fixture(scope="module", params=list(MODELS))
+IN_CI_ONLY_WITH_ENV = {"tiny-granite-hybrid"}
+"""Attention + Mamba2 like NemotronH, whose layout (plus MLP-only layers) covers it: to keep CI
+under 30 minutes it runs only with LAYERKV_E2E_ALL_HYBRIDS=1 (about 1 min more)."""
+
+
+def _model_params() -> list[Any]:
+    every = os.environ.get("LAYERKV_E2E_ALL_HYBRIDS") == "1"
+    return [pytest.param(name, marks=pytest.mark.skip(
+                reason="set LAYERKV_E2E_ALL_HYBRIDS=1 to run it (NemotronH covers Mamba2)"))
+            if name in IN_CI_ONLY_WITH_ENV and not every else name for name in MODELS]
+
+
+@pytest.fixture(scope="module", params=_model_params())
 def hybrid(request: pytest.FixtureRequest,
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, PDCluster]]:
     name = request.param

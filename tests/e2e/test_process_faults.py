@@ -1,14 +1,15 @@
 """Failures that need servers of their own: a prefill or decode process killed (SIGKILL) while
 KV streams, a decode instance whose KV layout does not match the prefill's, and
 kv_load_failure_policy=recompute after a failed transfer (also one that fails after D released
-the request early). Each test starts its own P + D (no reference, ~1 min on CPU) beside the
-shared e2e cluster."""
+the request early). Each kill and the layout mismatch start their own P + D (no reference,
+~45 s on CPU) beside the shared e2e cluster; the two recompute tests share one pair."""
 
 from __future__ import annotations
 
 import json
 import re
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -84,39 +85,56 @@ def test_kv_layout_mismatch_is_refused_at_registration(tmp_path: Path) -> None:
         cluster.stop()
 
 
-def test_recompute_policy_serves_the_request_after_a_failed_transfer(tmp_path: Path) -> None:
-    """kv_load_failure_policy=recompute on D: a transfer that fails (fault hook) is recomputed
-    on D, and the answer equals what D computes for the prompt on its own."""
-    cluster = start_pair(tmp_path, decode_kv_config={"kv_load_failure_policy": "recompute"})
+def failure_line(cluster: PDCluster, transfer_id: str) -> str:
+    """D's log line that says why the transfer failed."""
+    for line in cluster.decode.log_path.read_text(errors="replace").splitlines():
+        if f"LayerKV transfer {transfer_id} (request" in line:
+            return line
+    raise AssertionError(f"D's log has no failure of transfer {transfer_id}")
+
+
+@pytest.fixture(scope="module")
+def recompute_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDCluster]:
+    """D with kv_load_failure_policy=recompute, and early release 1 s before P's estimate, so
+    that a transfer failing at its end fails after D released the request."""
+    cluster = start_pair(tmp_path_factory.mktemp("recompute"),
+                         decode_kv_config={"kv_load_failure_policy": "recompute"},
+                         decode_extra={"early_release_lead_ms": 1000})
     try:
-        prompt = make_prompt(300, 33)
-        d, _ = cluster.prefill_and_decode(faults.WRITE_FAULT_PREFIX + uuid.uuid4().hex, prompt,
-                                          max_tokens=12)
-        assert d["status"] == 200, d
-        # afterwards (before, D's prefix cache would have made the transfer unnecessary)
-        local = cluster.decode.completion(prompt, 12)["choices"][0]["text"]
-        assert d["data"]["choices"][0]["text"] == local
-        assert "injected write fault" in cluster.decode.log_path.read_text()
-        assert_idle(cluster, "decode", "prefill")
+        yield cluster
     finally:
         cluster.stop()
 
 
-def test_transfer_failing_after_early_release_is_recomputed(tmp_path: Path) -> None:
+def test_recompute_policy_serves_the_request_after_a_failed_transfer(
+        recompute_pair: PDCluster) -> None:
+    """kv_load_failure_policy=recompute on D: a transfer that fails (fault hook: its first
+    write already, so before D could release it early) is recomputed on D, and the answer
+    equals what D computes for the prompt on its own."""
+    cluster = recompute_pair
+    prompt = make_prompt(300, 33)
+    tid = faults.WRITE_FAULT_PREFIX + uuid.uuid4().hex
+    d, _ = cluster.prefill_and_decode(tid, prompt, max_tokens=12)
+    assert d["status"] == 200, d
+    # afterwards (before, D's prefix cache would have made the transfer unnecessary)
+    local = cluster.decode.completion(prompt, 12)["choices"][0]["text"]
+    assert d["data"]["choices"][0]["text"] == local
+    line = failure_line(cluster, tid)
+    assert "injected write fault" in line and "released early" not in line, line
+    assert_idle(cluster, "decode", "prefill")
+
+
+def test_transfer_failing_after_early_release_is_recomputed(recompute_pair: PDCluster) -> None:
     """D released the request early (P said its last group was coming) and then the last group
     failed: vLLM gets the request's blocks as load errors in the step that runs it and, with
     kv_load_failure_policy=recompute, recomputes it; the answer equals D's own."""
-    cluster = start_pair(tmp_path, decode_kv_config={"kv_load_failure_policy": "recompute"},
-                         decode_extra={"early_release_lead_ms": 1000})
-    try:
-        prompt = make_prompt(300, 35)
-        d, _ = cluster.prefill_and_decode(faults.LATE_WRITE_FAULT_PREFIX + uuid.uuid4().hex,
-                                          prompt, max_tokens=12)
-        assert d["status"] == 200, d
-        local = cluster.decode.completion(prompt, 12)["choices"][0]["text"]
-        assert d["data"]["choices"][0]["text"] == local
-        log = cluster.decode.log_path.read_text()
-        assert "released early) failed" in log and "injected write fault" in log
-        assert_idle(cluster, "decode", "prefill")
-    finally:
-        cluster.stop()
+    cluster = recompute_pair
+    prompt = make_prompt(300, 35)
+    tid = faults.LATE_WRITE_FAULT_PREFIX + uuid.uuid4().hex
+    d, _ = cluster.prefill_and_decode(tid, prompt, max_tokens=12)
+    assert d["status"] == 200, d
+    local = cluster.decode.completion(prompt, 12)["choices"][0]["text"]
+    assert d["data"]["choices"][0]["text"] == local
+    line = failure_line(cluster, tid)
+    assert "released early) failed" in line and "injected write fault" in line, line
+    assert_idle(cluster, "decode", "prefill")

@@ -22,3 +22,47 @@ def test_seed_is_one_vllm_bench_serve_accepts(point: tuple[int, int, int]) -> No
     seed = ttft_bench.dataset_seed(*point)
     assert 0 <= seed < 2**32
     np.random.seed(seed)  # what vllm bench serve does with it (raises past 2**32 - 1)
+
+
+def test_different_tp_configurations_parse_place_and_bind() -> None:
+    """``layerkv-tp2-tp1``: P with TP2 and D with TP1, on two GPUs when there are (P on 0-1, D
+    sharing GPU 1 with only two), on CPU one core per P rank and D on core 1."""
+    config = ttft_bench.parse_config("layerkv-tp2-tp1")
+    assert (config.family, config.p_tp, config.d_tp, config.unstaged) == ("layerkv", 2, 1, False)
+    assert ttft_bench.parse_config("layerkv-tp1-tp2-unstaged").unstaged
+    assert ttft_bench.placement("prefill", 2, 1, 4) == ("0,1", False)
+    assert ttft_bench.placement("decode", 1, 2, 4) == ("2", False)
+    assert ttft_bench.placement("decode", 1, 2, 2) == ("1", True)
+    assert ttft_bench.cpu_bind("prefill", 2) == "0|1"
+    assert ttft_bench.cpu_bind("decode", 1) == "1"
+    for bad in ("single-tp2-tp1", "nixl-tp2-tp1-unstaged", "layerkv-tp2"):
+        with pytest.raises(SystemExit):
+            ttft_bench.parse_config(bad)
+    with pytest.raises(SystemExit, match="needs 4 GPUs"):
+        ttft_bench.placement("prefill", 4, 1, 2)
+
+
+class FakePrefill:
+    """What transfer_counters reads of a server: its /metrics text."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def metrics(self) -> str:
+        return self.text
+
+
+def test_transfer_counters_count_requests_once_per_prefill_rank() -> None:
+    """Every P rank counts each transfer it sent: with TP2, 16 transfers_sent are 8 requests,
+    and 40 group sends over both ranks are 5 transfer operations per request."""
+    text = "\n".join([
+        '# TYPE vllm:layerkv_groups_sent counter',
+        'vllm:layerkv_groups_sent_total{engine="0"} 40.0',
+        'vllm:layerkv_transfers_sent_total{engine="0"} 16.0',
+        'vllm:layerkv_bytes_sent_total{engine="0"} 1048576.0',
+    ])
+    counters = ttft_bench.transfer_counters(FakePrefill(text), p_tp=2)
+    assert counters["requests"] == 8
+    assert counters["transfer_ops_per_request"] == 5.0
+    assert counters["layerkv_bytes_sent"] == 1048576.0
+    assert "requests" not in ttft_bench.transfer_counters(FakePrefill(""), p_tp=1)
