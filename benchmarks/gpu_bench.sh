@@ -7,9 +7,12 @@
 # --ipc-test first runs tests/gpu/test_cuda_ipc.py (two processes, P on GPU 0, D on GPU 1: CUDA
 # IPC byte-exact + copy rates); --tp-test runs tests/gpu/test_tp_gpu.py (prefill TP != decode
 # TP: one process per rank, staging + receive ring, every byte checked, fused copy vs torch). Then benchmarks/ttft_bench.py on the Llama-3.1-8B-shaped dummy
-# model. Results accumulate in $BENCH (kept on the machine while it stays warm, so configurations
-# can run in separate calls and share the single instance's greedy reference); each call packs
-# $BENCH into $OUT/bench.tar.gz and copies the summaries to $OUT.
+# model. Each run writes straight into $OUT/$RUN, so a call cut by its time limit still brings
+# back what it measured (summary.json is rewritten after every measurement). Keep the bench's
+# own timeout under the call's limit minus install time: a call killed by the device tool's
+# limit skips the packing below. $BENCH keeps the single instance's greedy reference and a copy
+# of each run while the machine stays warm, so configurations can run in separate calls; each
+# call also packs $BENCH into $OUT/bench.tar.gz.
 set -uo pipefail
 # the working tree first: a later call on a warm machine runs the code it carried
 export PYTHONPATH=$PWD:$HOME/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
@@ -25,7 +28,7 @@ fi
 OUT=${OUT:-/tmp/out}
 BENCH=${BENCH:-$HOME/bench}
 RUN=${RUN:-run$(date +%H%M%S)}
-mkdir -p "$OUT" "$BENCH/$RUN"
+mkdir -p "$OUT/$RUN" "$BENCH"
 ipc=0; [ "${1:-}" = "--ipc-test" ] && { ipc=1; shift; }
 tptest=0; [ "${1:-}" = "--tp-test" ] && { tptest=1; shift; }
 configs=(); while [ $# -gt 0 ] && [ "$1" != "--" ]; do configs+=("$1"); shift; done; shift || true
@@ -43,14 +46,15 @@ if [ $tptest = 1 ]; then
 fi
 if [ ${#configs[@]} -gt 0 ]; then
   python3 benchmarks/ttft_bench.py --device cuda --model "$MODEL" --load-format dummy \
-    --configs "${configs[@]}" --out "$BENCH/$RUN" --identity-ref "$BENCH/identity_single.json" \
+    --configs "${configs[@]}" --out "$OUT/$RUN" --identity-ref "$BENCH/identity_single.json" \
     --num-gpus "$(nvidia-smi -L | wc -l)" "$@" \
-    > "$BENCH/$RUN/bench.log" 2>&1
+    > "$OUT/$RUN/bench.log" 2>&1
   echo "ttft_bench exit $?"
-  grep -E "^\[bench|median|identity|\||failed|Error" "$BENCH/$RUN/bench.log" | grep -v "bench serve --backend" | tail -60
+  grep -E "^\[bench|median|identity|\||failed|Error" "$OUT/$RUN/bench.log" | grep -v "bench serve --backend" | tail -60
+  cp -r "$OUT/$RUN" "$BENCH/"
 fi
 # never leave servers holding the GPUs for the next call (bracketed: do not match this shell)
 pkill -f "[v]llm.entrypoints.cli.main serve" 2>/dev/null; pkill -f "[v]llm_layerkv.cli proxy" 2>/dev/null
 tar -czf "$OUT/bench.tar.gz" -C "$BENCH" . 2>/dev/null
-cp "$BENCH/$RUN/summary.json" "$OUT/summary_$RUN.json" 2>/dev/null
+cp "$OUT/$RUN/summary.json" "$OUT/summary_$RUN.json" 2>/dev/null
 ls -la "$OUT"

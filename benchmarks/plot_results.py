@@ -1,8 +1,8 @@
 """Collect ``ttft_bench.py`` runs into one table (JSON + Markdown) and draw the plots.
 
 Reads every ``bench.log`` under the given directories (the lines ttft_bench.py prints for each
-measurement: median TTFT at c=1, mean TTFT / TPOT under load), so runs split over several
-device calls combine into one table. Needs matplotlib (plots only).
+measurement: median TTFT at c=1, mean TTFT / TPOT under load, the first request's TTFT), so
+runs split over several device calls combine into one table. Needs matplotlib (plots only).
 
 Usage: python benchmarks/plot_results.py RESULT_DIR [RESULT_DIR ...] --out DIR
 """
@@ -16,11 +16,13 @@ from pathlib import Path
 
 C1 = re.compile(r"\] (\S+) in=(\d+): median TTFT ([\d.]+) ms")
 LOAD = re.compile(r"\] (\S+) load c=(\d+): mean TTFT ([\d.]+) ms, mean TPOT ([\d.]+) ms")
+COLD = re.compile(r"\] (\S+): first request TTFT ([\d.]+) ms, second ([\d.]+) ms")
 
 
 def collect(dirs: list[Path]) -> dict:
     c1: dict[str, dict[int, float]] = {}
     load: dict[str, dict[str, float]] = {}
+    cold: dict[str, dict[str, float]] = {}
     for d in dirs:
         for log in sorted(d.rglob("bench.log")):
             for line in log.read_text().splitlines():
@@ -29,7 +31,9 @@ def collect(dirs: list[Path]) -> dict:
                 elif m := LOAD.search(line):
                     load[m[1]] = {"concurrency": int(m[2]), "mean_ttft_ms": float(m[3]),
                                   "mean_tpot_ms": float(m[4])}
-    return {"c1_median_ttft_ms": c1, "load": load}
+                elif m := COLD.search(line):
+                    cold[m[1]] = {"first_ttft_ms": float(m[2]), "second_ttft_ms": float(m[3])}
+    return {"c1_median_ttft_ms": c1, "load": load, "cold_start": cold}
 
 
 def markdown(table: dict) -> str:
@@ -47,6 +51,11 @@ def markdown(table: dict) -> str:
         for c, v in table["load"].items():
             lines.append(f"| {c} | {v['concurrency']} | {v['mean_ttft_ms']:.1f} | "
                          f"{v['mean_tpot_ms']:.2f} |")
+    if table.get("cold_start"):
+        lines += ["", "| configuration | first request TTFT (ms) | second request TTFT (ms) |",
+                  "| --- | --- | --- |"]
+        for c, v in table["cold_start"].items():
+            lines.append(f"| {c} | {v['first_ttft_ms']:.1f} | {v['second_ttft_ms']:.1f} |")
     return "\n".join(lines) + "\n"
 
 

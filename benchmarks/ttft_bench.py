@@ -2,7 +2,9 @@
 
 Each configuration is started in turn (real ``vllm serve`` processes), measured with the
 standard ``vllm bench serve`` (random dataset, ``--save-result``) at every prompt length with
-concurrency 1, optionally under load, then stopped. Optionally checks greedy token identity of
+concurrency 1, optionally under load, then stopped. Before anything else it gets two streamed
+requests at the first prompt length: the first one it ever serves (``cold_ttft_ms``: every
+first-use cost, such as P's first connection to D) and a second (``warm_ttft_ms``). Optionally checks greedy token identity of
 each P/D configuration against the single instance (and the single instance against itself
 first). Writes one JSON per bench run plus ``summary.json`` (medians per configuration and
 length); ``benchmarks/plot_results.py`` draws the plots.
@@ -35,9 +37,9 @@ GPU (lent H200s, see ../shared/gpu/README.md):
   python3 benchmarks/ttft_bench.py --device cuda --model $HOME/stage/core/models/llama8b \
       --load-format dummy --prompt-lens 1024 4096 8192 16000 --num-prompts 10 \
       --load 16:4096:128:200 --identity 8 --out $OUT
-CPU smoke (tiny model, seconds):
+CPU smoke (tiny model; about 1.5 min on 2 cores, mostly vLLM start-up):
   python benchmarks/ttft_bench.py --device cpu --model .models/tiny-llama --configs single layerkv \
-      --prompt-lens 64 256 --num-prompts 2 --out /tmp/bench
+      --prompt-lens 512 --num-prompts 2 --out /tmp/bench
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -301,6 +304,38 @@ def warm_up(url: str, model: str, lengths: list[int]) -> None:
     greedy_ids(url, [[rng.randrange(100, vocab - 1) for _ in range(n)] for n in lengths], 2)
 
 
+def first_token_ms(url: str, prompt: list[int]) -> float:
+    """Milliseconds from sending a streamed greedy request to its first streamed token, as
+    ``vllm bench serve`` counts TTFT (the rest of the stream is read and dropped)."""
+    body = json.dumps({"model": NAME, "prompt": prompt, "max_tokens": 2, "temperature": 0,
+                       "ignore_eos": True, "stream": True}).encode()
+    req = urllib.request.Request(url + "/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    t = time.monotonic()
+    first = None
+    with urllib.request.urlopen(req, timeout=600) as resp:
+        for raw in resp:
+            line = raw.decode("utf-8", "replace").strip()
+            if first is None and line.startswith("data:") and line != "data: [DONE]":
+                if json.loads(line[5:]).get("choices"):
+                    first = (time.monotonic() - t) * 1e3
+    if first is None:
+        raise RuntimeError(f"no token streamed from {url}")
+    return first
+
+
+def cold_start(url: str, model: str, length: int) -> dict[str, float]:
+    """TTFT of the configuration's first request and of a second one of the same length
+    (random ids of their own seed: no prefix-cache hits)."""
+    import random
+
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    rng = random.Random(13579 + length)
+    cold, warm = ([rng.randrange(100, vocab - 1) for _ in range(length)] for _ in range(2))
+    return {"prompt_len": length, "cold_ttft_ms": round(first_token_ms(url, cold), 1),
+            "warm_ttft_ms": round(first_token_ms(url, warm), 1)}
+
+
 def greedy_ids(url: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     out = []
     for p in prompts:
@@ -420,6 +455,11 @@ def main() -> int:
         res: dict[str, Any] = {"start_s": round(time.monotonic() - t0, 1)}
         summary["results"][name] = res
         try:
+            res["cold_start"] = cold_start(url, args.model,
+                                           min(args.prompt_lens[0], args.max_model_len - 64))
+            log(f"{name}: first request TTFT {res['cold_start']['cold_ttft_ms']:.1f} ms, "
+                f"second {res['cold_start']['warm_ttft_ms']:.1f} ms")
+            save()
             if prompts:
                 ids = greedy_ids(url, prompts, 16)
                 if config.family == "single":

@@ -36,6 +36,8 @@ def test_ttft_bench_cpu_smoke(tmp_path: Path) -> None:
         res = summary["results"][config]["c1_in512"]
         assert res["completed"] == 2 and res["failed"] == 0
         assert res["median_ttft_ms"] > 0
+        cold = summary["results"][config]["cold_start"]  # the first request and a second
+        assert cold["prompt_len"] == 512 and cold["cold_ttft_ms"] > 0 < cold["warm_ttft_ms"]
     # the result files vllm bench serve saved are there for the table / plots
     assert (out / "layerkv_c1_in512.json").exists()
     layerkv = summary["results"]["layerkv"]
@@ -60,9 +62,9 @@ def test_ttft_bench_cpu_smoke(tmp_path: Path) -> None:
         p_parts = [r[k] for k in ("p_intake", "reg_wait", "p_plan")]
         assert all(p >= 0 for p in p_parts), r
         assert abs(sum(p_parts) - r["start_delay"]) < 0.1, r
-    # P's transfer counters: every request through the proxy had its KV sent (2 measured,
-    # 3 identity, 1 warm-up; prompts under min_prompt_tokens too, in one send), each in a few
-    # layer-group sends
+    # P's transfer counters: every request through the proxy had its KV sent (2 cold start, 3
+    # identity, 1 warm-up, 2 measured; prompts under min_prompt_tokens too, in one send), each
+    # in a few layer-group sends
     counters = layerkv["counters"]
-    assert counters["requests"] == 6, counters
+    assert counters["requests"] == 8, counters
     assert 0 < counters["transfer_ops_per_request"] < 20, counters
