@@ -106,35 +106,33 @@ def recompute_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDClust
         cluster.stop()
 
 
-def test_recompute_policy_serves_the_request_after_a_failed_transfer(
-        recompute_pair: PDCluster) -> None:
-    """kv_load_failure_policy=recompute on D: a transfer that fails (fault hook: its first
-    write already, so before D could release it early) is recomputed on D, and the answer
-    equals what D computes for the prompt on its own."""
-    cluster = recompute_pair
-    prompt = make_prompt(300, 33)
-    tid = faults.WRITE_FAULT_PREFIX + uuid.uuid4().hex
+def recomputed_failure(cluster: PDCluster, fault_prefix: str, seed: int) -> str:
+    """Send a prompt whose transfer the fault hook breaks; D must answer what it computes for
+    the prompt on its own. Returns D's log line of the failure."""
+    prompt = make_prompt(300, seed)
+    tid = fault_prefix + uuid.uuid4().hex
     d, _ = cluster.prefill_and_decode(tid, prompt, max_tokens=12)
     assert d["status"] == 200, d
     # afterwards (before, D's prefix cache would have made the transfer unnecessary)
     local = cluster.decode.completion(prompt, 12)["choices"][0]["text"]
     assert d["data"]["choices"][0]["text"] == local
     line = failure_line(cluster, tid)
-    assert "injected write fault" in line and "released early" not in line, line
     assert_idle(cluster, "decode", "prefill")
+    return line
+
+
+def test_recompute_policy_serves_the_request_after_a_failed_transfer(
+        recompute_pair: PDCluster) -> None:
+    """kv_load_failure_policy=recompute on D: a transfer that fails (fault hook: its first
+    write already, so before D could release it early) is recomputed on D, and the answer
+    equals what D computes for the prompt on its own."""
+    line = recomputed_failure(recompute_pair, faults.WRITE_FAULT_PREFIX, 33)
+    assert "injected write fault" in line and "released early" not in line, line
 
 
 def test_transfer_failing_after_early_release_is_recomputed(recompute_pair: PDCluster) -> None:
     """D released the request early (P said its last group was coming) and then the last group
     failed: vLLM gets the request's blocks as load errors in the step that runs it and, with
     kv_load_failure_policy=recompute, recomputes it; the answer equals D's own."""
-    cluster = recompute_pair
-    prompt = make_prompt(300, 35)
-    tid = faults.LATE_WRITE_FAULT_PREFIX + uuid.uuid4().hex
-    d, _ = cluster.prefill_and_decode(tid, prompt, max_tokens=12)
-    assert d["status"] == 200, d
-    local = cluster.decode.completion(prompt, 12)["choices"][0]["text"]
-    assert d["data"]["choices"][0]["text"] == local
-    line = failure_line(cluster, tid)
+    line = recomputed_failure(recompute_pair, faults.LATE_WRITE_FAULT_PREFIX, 35)
     assert "released early) failed" in line and "injected write fault" in line, line
-    assert_idle(cluster, "decode", "prefill")
