@@ -13,12 +13,10 @@ Usage: python benchmarks/cpu_demo.py [--workdir DIR] [--words 50 400 1000 ...]
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "e2e"))
@@ -26,27 +24,12 @@ from prompts import make_prompt  # noqa: E402
 
 from vllm_layerkv.testing.cluster import MODEL_NAME, ClusterSpec, PDCluster, metric  # noqa: E402
 from vllm_layerkv.testing.models import model_path  # noqa: E402
-from vllm_layerkv.testing.servers import get_text  # noqa: E402
+from vllm_layerkv.testing.servers import get_text, stream_completion  # noqa: E402
 
 
 def stream(url: str, prompt: str, max_tokens: int) -> tuple[float, float, str]:
     """(ttft_s, total_s, text) of one streamed greedy completion."""
-    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True}
-    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    t0 = time.perf_counter()
-    ttft, parts = None, []
-    with urllib.request.urlopen(req, timeout=600) as resp:
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            text = json.loads(line[6:])["choices"][0].get("text") or ""
-            if ttft is None:
-                ttft = time.perf_counter() - t0
-            parts.append(text)
-    return ttft or 0.0, time.perf_counter() - t0, "".join(parts)
+    return stream_completion(url, MODEL_NAME, prompt, max_tokens)
 
 
 def main() -> int:

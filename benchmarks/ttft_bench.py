@@ -4,9 +4,9 @@ Each configuration is started in turn (real ``vllm serve`` processes), measured 
 standard ``vllm bench serve`` (random dataset, ``--save-result``) at every prompt length with
 concurrency 1, optionally under load, then stopped. Before anything else it gets two streamed
 requests at the first prompt length: the first one it ever serves (``cold_ttft_ms``: every
-first-use cost, such as P's first connection to D) and a second (``warm_ttft_ms``). Optionally checks greedy token identity of
-each P/D configuration against the single instance (and the single instance against itself
-first). Writes one JSON per bench run plus ``summary.json`` (medians per configuration and
+first-use cost, such as P's first connection to D) and a second (``warm_ttft_ms``).
+Optionally checks greedy token identity of each P/D configuration against the single instance
+(and the single instance against itself first). Writes one JSON per bench run plus ``summary.json`` (medians per configuration and
 length); ``benchmarks/plot_results.py`` draws the plots.
 
 Configurations (``--configs``):
@@ -51,7 +51,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +66,7 @@ from vllm_layerkv.testing.servers import (  # noqa: E402
     post_json,
     start_all,
     stop_all,
+    stream_completion,
 )
 
 NAME = "m"
@@ -305,23 +305,8 @@ def warm_up(url: str, model: str, lengths: list[int]) -> None:
 
 
 def first_token_ms(url: str, prompt: list[int]) -> float:
-    """Milliseconds from sending a streamed greedy request to its first streamed token, as
-    ``vllm bench serve`` counts TTFT (the rest of the stream is read and dropped)."""
-    body = json.dumps({"model": NAME, "prompt": prompt, "max_tokens": 2, "temperature": 0,
-                       "ignore_eos": True, "stream": True}).encode()
-    req = urllib.request.Request(url + "/v1/completions", data=body,
-                                 headers={"Content-Type": "application/json"})
-    t = time.monotonic()
-    first = None
-    with urllib.request.urlopen(req, timeout=600) as resp:
-        for raw in resp:
-            line = raw.decode("utf-8", "replace").strip()
-            if first is None and line.startswith("data:") and line != "data: [DONE]":
-                if json.loads(line[5:]).get("choices"):
-                    first = (time.monotonic() - t) * 1e3
-    if first is None:
-        raise RuntimeError(f"no token streamed from {url}")
-    return first
+    """Milliseconds from sending a streamed greedy request to its first streamed token."""
+    return stream_completion(url, NAME, prompt, 2, ignore_eos=True)[0] * 1e3
 
 
 def cold_start(url: str, model: str, length: int) -> dict[str, float]:

@@ -167,6 +167,43 @@ def completion(
     return data
 
 
+def stream_completion(
+    url: str,
+    model: str,
+    prompt: str | list[int],
+    max_tokens: int,
+    *,
+    timeout: float = 600.0,
+    **kw: Any,
+) -> tuple[float, float, str]:
+    """Stream ``<url>/v1/completions`` greedily (``temperature=0``; extra fields through
+    ``kw``) and return (seconds to the first streamed chunk, i.e. TTFT as ``vllm bench serve``
+    counts it, seconds to the end of the stream, the text). Raises on non-200."""
+    body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                            "temperature": 0, "stream": True}
+    body.update(kw)
+    req = urllib.request.Request(url.rstrip("/") + "/v1/completions",
+                                 data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    t0 = time.monotonic()
+    first: float | None = None
+    parts: list[str] = []
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        for raw in resp:
+            line = raw.decode("utf-8", "replace").strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            choices = json.loads(line[5:]).get("choices")
+            if not choices:
+                continue
+            if first is None:
+                first = time.monotonic() - t0
+            parts.append(choices[0].get("text") or "")
+    if first is None:
+        raise RuntimeError(f"completion stream at {url} carried no tokens")
+    return first, time.monotonic() - t0, "".join(parts)
+
+
 def serve_command_prefix() -> list[str]:
     """How to invoke ``vllm serve`` with this interpreter.
 
