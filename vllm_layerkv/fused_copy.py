@@ -87,3 +87,26 @@ def copy_slices(tensors: Sequence[torch.Tensor], layers: Sequence[int], idx: tor
         logger.warning("LayerKV: the fused staging copy failed (%s); using torch copies", e)
         return False
     return True
+
+
+WARM_UP_BLOCKS = (1, 3, 16)
+"""Block counts ``warm_up`` launches with: Triton specialises an integer argument on being 1
+or a multiple of 16, so these three reach every variant a request's block count can select."""
+
+
+def warm_up(block_bytes: int, device: torch.device, to_buf: bool) -> int:
+    """Compile the kernel for whole blocks of ``block_bytes`` now, one direction (``to_buf``:
+    gather), by copies between scratch tensors (never the KV itself). Triton compiles on the
+    first launch of each variant: 0.1-0.5 s that otherwise falls on the first request's
+    transfer. Returns the launches made (0 where the kernel is not used)."""
+    if not available(device):
+        return 0
+    n = max(WARM_UP_BLOCKS)
+    cache = torch.zeros(n, block_bytes, dtype=torch.uint8, device=device)
+    buf = torch.zeros(n * block_bytes, dtype=torch.uint8, device=device)
+    launched = 0
+    for count in WARM_UP_BLOCKS:
+        idx = torch.arange(count, dtype=torch.long, device=device)
+        launched += copy_slices([cache], [0], idx, 0, block_bytes, buf, to_buf)
+    torch.cuda.synchronize(device)
+    return launched

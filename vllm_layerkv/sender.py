@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from vllm_layerkv import staging, tp
+from vllm_layerkv import fused_copy, staging, tp
 from vllm_layerkv.blockio import BlockIO
 from vllm_layerkv.metadata import Peer, SendTask
 from vllm_layerkv.protocol import Hello, TransferAck
@@ -145,7 +145,8 @@ class Sender:
         self._staging_shape = (staging_buffers, staging_bytes)
         self._writes_in_flight = max(1, min(writes_in_flight, staging_buffers))
         self._staging: staging.StagingPool | None = None
-        """Made on the first head-slice send (equal TP never pays for it)."""
+        """Made at start-up with ``host_bounce``, else on the first head-slice send (equal TP
+        over a GPU-direct path never pays for it)."""
         self._route_cache: dict[int, list[tp.Route]] = {}
         self._layer_groups = layer_groups or [0] * blocks.num_layers
         self._final_only_groups = dict(final_only_groups or {})
@@ -160,8 +161,24 @@ class Sender:
         self.state = SenderState()
         self._queue: queue.SimpleQueue[WorkItem | None] = queue.SimpleQueue()
         self._channels: dict[str, SendChannel] = {}
+        if transport.host_bounce:
+            self._prepare_bounce()
         self._thread = threading.Thread(target=self._run, name="layerkv-sender", daemon=True)
         self._thread.start()
+
+    def _prepare_bounce(self) -> None:
+        """Start-up, when sends may go through staging and host memory (``host_bounce``):
+        make the staging pool, let the transport register it (or make its pinned host twins),
+        and compile the gather kernel now. Left to the first request, these cost it about
+        0.6 s on an H200 (docs/benchmarks.md, "the first request")."""
+        t = time.monotonic()
+        pool = self._staging_pool()
+        self._transport.prepare_staging(pool.buffers)
+        launches = fused_copy.warm_up(self._blocks.block_bytes, self._blocks.tensors[0].device,
+                                      to_buf=True)
+        logger.info("LayerKV: host_bounce prepared at start-up in %.0f ms (%d staging buffers "
+                    "registered; %d gather kernel launches)", (time.monotonic() - t) * 1e3,
+                    len(pool.buffers), launches)
 
     # ------------------------------------------------------------------ any thread
     def put(self, item: WorkItem) -> None:

@@ -112,8 +112,10 @@ class StagingPool:
         if count < 1 or buffer_bytes < 1:
             raise StagingError("a staging pool needs at least one buffer of at least one byte")
         self.buffer_bytes = buffer_bytes
-        self._free = [torch.empty(buffer_bytes, dtype=torch.uint8, device=device,
-                                  pin_memory=pin_memory) for _ in range(count)]
+        self.buffers = tuple(torch.empty(buffer_bytes, dtype=torch.uint8, device=device,
+                                         pin_memory=pin_memory) for _ in range(count))
+        """Every buffer, free or not (to register them with an engine once)."""
+        self._free = list(self.buffers)
         self._cond = threading.Condition()
         self.waits = 0
         """How often an acquire found no free buffer (back-pressure, for stats)."""

@@ -189,6 +189,37 @@ def test_fused_gather_and_scatter_match_torch(head_bytes: int) -> None:
     assert not fused_copy._broken
 
 
+def test_warm_up_compiles_every_variant_a_request_needs() -> None:
+    """``fused_copy.warm_up`` (start-up with ``host_bounce``) leaves nothing for a request to
+    compile: whole-block copies of any block count after it add no kernel to Triton's
+    cache."""
+    from vllm_layerkv import fused_copy, staging
+
+    caches_of = getattr(fused_copy._copy_slices, "device_caches", None)
+    if caches_of is None:
+        why = "this Triton keeps no device_caches to count kernels in"
+        if pytest is not None:
+            pytest.skip(why)
+        raise Skipped(why)
+
+    def compiled() -> int:
+        return sum(len(entry[0]) for entry in caches_of.values())
+
+    block_bytes = 65536  # Llama-3.1-8B: 2 x 16 tokens x 8 heads x 128 x 2 B
+    for to_buf in (True, False):
+        assert fused_copy.warm_up(block_bytes, torch.device("cuda"), to_buf) == 3
+    warm = compiled()
+    caches = [torch.zeros(600, block_bytes, dtype=torch.uint8, device="cuda")
+              for _ in range(4)]
+    buf = torch.empty(4 * 512 * block_bytes, dtype=torch.uint8, device="cuda")
+    for count in (1, 2, 5, 16, 32, 100, 512):
+        ids = list(range(count))
+        payload = staging.gather(caches, [0, 1, 2, 3], ids, 0, 8, 8, buf)
+        staging.scatter(payload, caches, [0, 1, 2, 3], ids, 0, 8, 8)
+    torch.cuda.synchronize()
+    assert compiled() == warm, f"{compiled() - warm} kernels compiled after the warm-up"
+
+
 if __name__ == "__main__":
     failed = 0
     for name, fn in list(globals().items()):

@@ -20,3 +20,7 @@ def test_cpu_tensors_are_left_to_torch() -> None:
     idx = torch.tensor([1, 2])
     assert not fused_copy.available(buf.device)
     assert not fused_copy.copy_slices(caches, [0], idx, 0, 32, buf, to_buf=True)
+
+
+def test_warm_up_launches_nothing_where_torch_copies() -> None:
+    assert fused_copy.warm_up(65536, torch.device("cpu"), to_buf=True) == 0

@@ -160,5 +160,16 @@ class Transport(ABC):
     ) -> str:
         """Listen for senders; returns the endpoint (host:port) to publish."""
 
+    @property
+    def host_bounce(self) -> bool:
+        """Every send may go through staging buffers and D's ring in host memory (a plane
+        with ``host_bounce``): the sender makes its staging buffers at start-up and hands
+        them to ``prepare_staging``."""
+        return False
+
+    def prepare_staging(self, buffers: Sequence[torch.Tensor]) -> None:
+        """P side, at start-up when ``host_bounce``: make the staging ``buffers`` valid write
+        sources now (engine registrations, pinned host twins), not on the first request."""
+
     @abstractmethod
     def shutdown(self) -> None: ...

@@ -190,7 +190,7 @@ class AddressedPeer(PeerWriter):
                  register_staging: Callable[[torch.Tensor], None], ring_addr: int = 0,
                  ring_slots: int = 0, ring_slot_bytes: int = 0, ring_in_host: bool = False,
                  host_bounce: bool = False,
-                 host_staging: Callable[[int, torch.Tensor], torch.Tensor] | None = None):
+                 host_staging: Callable[[torch.Tensor], torch.Tensor] | None = None):
         if ring_slots and block_bytes != local[0].shape[1]:
             # TP differs: only head slices go, through the ring; the layer count must match
             check_geometry(plane, len(layer_addrs), local[0].shape[1], local)
@@ -259,7 +259,7 @@ class AddressedPeer(PeerWriter):
         if self.host_bounce and self._stream is not None:
             assert self._host_staging is not None
             try:
-                source = self._host_staging(self.ring_slot_bytes, staging)
+                source = self._host_staging(staging)
             except Exception as e:  # noqa: BLE001 - engines raise their own types
                 raise DirectWriteFailed(f"{self.plane}: cannot make or register the host "
                                         f"staging buffer: {e}") from None
@@ -340,6 +340,17 @@ class DirectPlane(ABC):
     def attach(self, export: DirectExport) -> PeerWriter:
         """P side: reach a decode rank's KV (raises DirectUnavailable)."""
 
+    host_bounce: bool = False
+    """Whole blocks too go through D's receive ring in host memory (``AddressedPlane``)."""
+
+    def prepare_ring(self, ring: RecvRing) -> None:
+        """D side, at start-up with ``host_bounce``: make ``ring`` reachable before the first
+        sender connects (nothing to do for a plane that does not export rings)."""
+
+    def prepare_staging(self, buffers: Sequence[torch.Tensor]) -> None:
+        """P side, at start-up with ``host_bounce``: make the sender's staging ``buffers``
+        valid write sources before the first request."""
+
     def shutdown(self) -> None:
         """Release what ``prepare`` / ``attach`` took."""
 
@@ -369,10 +380,14 @@ class AddressedPlane(DirectPlane):
         """Outgrown host twins, still registered (see ``host_staging``)."""
 
     def offer(self, hello: Hello, ring: RecvRing | None = None) -> DirectExport | None:
-        """The export; with ``ring`` (the sender's TP differs) the ring is registered the
-        first time and the export carries it."""
+        """The export; with ``ring`` (the sender's TP differs, or ``host_bounce``) the ring is
+        registered the first time (unless ``prepare_ring`` did) and the export carries it."""
         if self._export is None or ring is None:
             return self._export
+        self.prepare_ring(ring)
+        return self._ring_export or self._export
+
+    def prepare_ring(self, ring: RecvRing) -> None:
         with self._lock:
             if self._ring_export is None and not self._ring_refused:
                 try:
@@ -384,7 +399,6 @@ class AddressedPlane(DirectPlane):
                                    "whole blocks straight into the KV", self.name, e)
                 else:
                     self._ring_export = self.ring_export(ring)
-            return self._ring_export or self._export
 
     def ring_export(self, ring: RecvRing) -> DirectExport:
         """The export with the (registered) ring's address, shape and place."""
@@ -398,16 +412,26 @@ class AddressedPlane(DirectPlane):
         with self._lock:
             self.register(buffer)
 
-    def host_staging(self, nbytes: int, staging: torch.Tensor) -> torch.Tensor:
+    def prepare_staging(self, buffers: Sequence[torch.Tensor]) -> None:
+        """Register each buffer, or with the KV on a GPU make its registered host twin."""
+        for buf in buffers:
+            if buf.device.type == "cuda":
+                self.host_staging(buf)
+            else:
+                self.register_staging(buf)
+
+    def host_staging(self, staging: torch.Tensor) -> torch.Tensor:
         """P side, ``host_bounce`` on a GPU: the pinned host twin of the (GPU) staging buffer
-        ``staging``, at least ``nbytes`` long and registered with the engine; the engine
-        writes from it. A twin per staging buffer, so that every write the sender keeps in
-        flight has its own. Twins are the worker's (the sender's staging buffers are fixed),
-        made on first use and kept for the plane's life: a buffer per peer would leave a
-        registration behind at every reconnect. One grown for a decode with larger ring slots
-        replaces the smaller, which stays alive (and registered) until shutdown, since an
-        engine registration must not outlive its memory."""
+        ``staging``, as long as it and registered with the engine; the engine writes from it.
+        A twin per staging buffer, so that every write the sender keeps in flight has its
+        own. Twins are the worker's (the sender's staging buffers are fixed), made at start-up
+        (``prepare_staging``) or on first use, and kept for the plane's life: a buffer per
+        peer would leave a registration behind at every reconnect. Should a larger buffer
+        ever come at a known address, its twin replaces the smaller, which stays alive (and
+        registered) until shutdown, since an engine registration must not outlive its
+        memory."""
         key = staging.data_ptr()
+        nbytes = staging.numel() * staging.element_size()
         with self._lock:
             twin = self._host_twins.get(key)
             if twin is None or twin.numel() < nbytes:

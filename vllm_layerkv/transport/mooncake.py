@@ -61,7 +61,7 @@ def transfer_engine() -> Any:
 class MooncakePeer(AddressedPeer):
     def __init__(self, engine: Any, export: MooncakeExport, local: Sequence[torch.Tensor],
                  register_staging: Callable[[torch.Tensor], None], host_bounce: bool = False,
-                 host_staging: Callable[[int, torch.Tensor], torch.Tensor] | None = None):
+                 host_staging: Callable[[torch.Tensor], torch.Tensor] | None = None):
         super().__init__("mooncake", export.layer_addrs, export.num_blocks, export.block_bytes,
                          local, register_staging, export.ring_addr, export.ring_slots,
                          export.ring_slot_bytes, export.ring_in_host, host_bounce, host_staging)

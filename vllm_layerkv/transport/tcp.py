@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 import msgspec
 import torch
 
+from vllm_layerkv import fused_copy
 from vllm_layerkv.blockio import BlockIO
 from vllm_layerkv.protocol import (
     BlockData,
@@ -377,7 +378,16 @@ class TcpTransport(Transport):
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
 
+    @property
+    def host_bounce(self) -> bool:
+        return any(p.host_bounce for p in self._planes)
+
     # ------------------------------------------------------------------ P side
+    def prepare_staging(self, buffers: Sequence[torch.Tensor]) -> None:
+        for plane in self._planes:
+            if plane.host_bounce:
+                plane.prepare_staging(buffers)
+
     def open_channel(self, endpoint: str, hello: Hello, blocks: BlockIO,
                      on_ack: Callable[[TransferAck], None], on_lost: Callable[[str], None],
                      timeout: float, io_timeout: float) -> SendChannel:
@@ -446,6 +456,7 @@ class TcpTransport(Transport):
                 logger.warning("LayerKV: %s unavailable on this decode worker (%s); prefill "
                                "instances will use another path", plane.name, e)
                 self._planes.remove(plane)
+        self._prepare_bounce(blocks)
         self._server = framing.listen(host, port)
         bound_port = self._server.getsockname()[1]
         threading.Thread(target=self._accept_loop, args=(sink, blocks, io_timeout),
@@ -611,6 +622,24 @@ class TcpTransport(Transport):
                 logger.info("LayerKV: receive ring for head slices, %d slots x %d MiB",
                             slots, slot_bytes >> 20)
             return self._ring
+
+    def _prepare_bounce(self, blocks: BlockIO) -> None:
+        """D side, at start-up: with a ``host_bounce`` plane, every sender's first write would
+        otherwise wait for the host ring's allocation and registration and for the scatter
+        kernel's compile (together about 0.2 s on an H200; docs/benchmarks.md, "the first
+        request"); do them now."""
+        bounce = [p for p in self._planes if p.host_bounce]
+        if not bounce:
+            return
+        t = time.monotonic()
+        ring = self._bounce_ring(blocks)
+        for plane in bounce:
+            plane.prepare_ring(ring)
+        device = blocks.tensors[0].device
+        launches = fused_copy.warm_up(blocks.block_bytes, device, to_buf=False)
+        logger.info("LayerKV: host_bounce prepared at start-up in %.0f ms (receive ring "
+                    "registered with %s; %d scatter kernel launches)",
+                    (time.monotonic() - t) * 1e3, "+".join(p.name for p in bounce), launches)
 
     def _bounce_ring(self, blocks: BlockIO) -> RecvRing:
         """The ring in host memory (pinned when the KV is on a GPU) for ``host_bounce``."""
