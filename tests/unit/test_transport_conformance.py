@@ -478,6 +478,18 @@ def test_layers_sharing_memory_are_registered_once(transport: str) -> None:
     mover.shutdown()
 
 
+def one_transfer(d, p) -> list[int]:
+    """Send 4 scattered blocks as one request; check it is acked, reported and byte-exact.
+    Returns the source blocks."""
+    src, dst = [5, 6, 7, 30], [1, 2, 3, 4]
+    d.table.expect(RecvTask("r", "t", dst))
+    push(p, [task("t", d, src, dst, req_id="r")])
+    assert p.wait_state("t", ["acked", "failed"]).state == "acked"
+    assert d.drain_until(lambda f, x: bool(f or x)) == ({"r"}, set())
+    assert_copied(p, d, list(zip(src, dst)))
+    return src
+
+
 def test_whole_blocks_go_through_the_ring_only_with_host_bounce(d_side, p_side, transport,
                                                                  monkeypatch) -> None:
     """``host_bounce`` on: every layer group is written into a slot of D's host ring, which D
@@ -496,12 +508,7 @@ def test_whole_blocks_go_through_the_ring_only_with_host_bounce(d_side, p_side, 
 
     monkeypatch.setattr(RecvRing, "try_acquire", counting_acquire)
     d, p = d_side(), p_side()
-    src, dst = [5, 6, 7, 30], [1, 2, 3, 4]
-    d.table.expect(RecvTask("r", "t", dst))
-    push(p, [task("t", d, src, dst, req_id="r")])
-    assert p.wait_state("t", ["acked", "failed"]).state == "acked"
-    assert d.drain_until(lambda f, x: bool(f or x)) == ({"r"}, set())
-    assert_copied(p, d, list(zip(src, dst)))
+    src = one_transfer(d, p)
     if transport.endswith("+bounce"):
         assert granted == [2 * len(src) * BLOCK_BYTES] * 2  # one slot per group of 2 layers
     else:
@@ -516,13 +523,11 @@ def test_host_bounce_registers_everything_at_start_up(d_side, p_side, transport,
     if not transport.endswith("+bounce"):
         pytest.skip("only planes with host_bounce prepare anything at start-up")
     from vllm_layerkv.transport.direct import AddressedPlane
+    from vllm_layerkv.transport.mooncake import MooncakePlane
+    from vllm_layerkv.transport.nixl import NixlPlane
 
     registered: list[int] = []
-    plane_cls = {"nixl": "vllm_layerkv.transport.nixl.NixlPlane",
-                 "mooncake": "vllm_layerkv.transport.mooncake.MooncakePlane"}[
-        transport.split("+")[0]]
-    module, _, name = plane_cls.rpartition(".")
-    cls = getattr(__import__(module, fromlist=[name]), name)
+    cls = {"nixl": NixlPlane, "mooncake": MooncakePlane}[transport.split("+")[0]]
     register = cls.register
 
     def spy(plane: AddressedPlane, t: torch.Tensor) -> None:
@@ -537,12 +542,7 @@ def test_host_bounce_registers_everything_at_start_up(d_side, p_side, transport,
     pool = p.sender._staging
     assert pool is not None and {b.data_ptr() for b in pool.buffers} <= at_start
 
-    src, dst = [5, 6, 7, 30], [1, 2, 3, 4]
-    d.table.expect(RecvTask("r", "t", dst))
-    push(p, [task("t", d, src, dst, req_id="r")])
-    assert p.wait_state("t", ["acked", "failed"]).state == "acked"
-    assert d.drain_until(lambda f, x: bool(f or x)) == ({"r"}, set())
-    assert_copied(p, d, list(zip(src, dst)))
+    one_transfer(d, p)
     assert set(registered) == at_start, "the first request registered memory"
 
 
