@@ -19,6 +19,7 @@ names the transports to run.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -544,6 +545,33 @@ def test_host_bounce_registers_everything_at_start_up(d_side, p_side, transport,
 
     one_transfer(d, p)
     assert set(registered) == at_start, "the first request registered memory"
+
+
+def test_host_bounce_preparation_that_fails_is_left_to_the_first_request(
+        d_side, p_side, transport, monkeypatch, caplog) -> None:
+    """An engine that refuses P's staging buffers at start-up does not stop the worker: P
+    logs it, and the first request registers them and goes through."""
+    if not transport.endswith("+bounce"):
+        pytest.skip("only planes with host_bounce prepare anything at start-up")
+    from vllm_layerkv.transport.mooncake import MooncakePlane
+    from vllm_layerkv.transport.nixl import NixlPlane
+
+    cls = {"nixl": NixlPlane, "mooncake": MooncakePlane}[transport.split("+")[0]]
+    register = cls.register
+    refusals = [RuntimeError("registration refused (test)")]
+
+    def refuse_once(plane, t: torch.Tensor) -> None:
+        if refusals:
+            raise refusals.pop()
+        register(plane, t)
+
+    d = d_side()
+    monkeypatch.setattr(cls, "register", refuse_once)
+    with caplog.at_level(logging.WARNING, logger="vllm.layerkv.sender"):
+        p = p_side()
+    assert ("could not prepare host_bounce at start-up (registration refused (test)); the "
+            "first request will") in caplog.text
+    one_transfer(d, p)
 
 
 class InFlight:

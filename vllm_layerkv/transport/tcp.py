@@ -632,11 +632,17 @@ class TcpTransport(Transport):
         if not bounce:
             return
         t = time.monotonic()
-        ring = self._bounce_ring(blocks)
-        for plane in bounce:
-            plane.prepare_ring(ring)
-        device = blocks.tensors[0].device
-        launches = fused_copy.warm_up(blocks.block_bytes, device, to_buf=False)
+        try:
+            ring = self._bounce_ring(blocks)
+            for plane in bounce:
+                plane.prepare_ring(ring)
+            launches = fused_copy.warm_up(blocks.block_bytes, blocks.tensors[0].device,
+                                          to_buf=False)
+        except Exception as e:  # noqa: BLE001 - e.g. pinned memory refused
+            # the first sender's connection tries again, and is refused saying why if it must
+            logger.warning("LayerKV: could not prepare host_bounce at start-up (%s); the first "
+                           "sender's connection will", e)
+            return
         logger.info("LayerKV: host_bounce prepared at start-up in %.0f ms (receive ring "
                     "registered with %s; %d scatter kernel launches)",
                     (time.monotonic() - t) * 1e3, "+".join(p.name for p in bounce), launches)
