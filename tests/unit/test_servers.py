@@ -1,16 +1,21 @@
 """vllm_layerkv/testing/servers.py: the streamed-completion client the demo and the benchmark
-time TTFT with, against a local server that streams like vLLM."""
+time TTFT with, against a local server that streams like vLLM; and what a stopped server
+leaves behind."""
 
 from __future__ import annotations
 
 import json
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
+from vllm_layerkv.testing import servers
 from vllm_layerkv.testing.servers import stream_completion
 
 FIRST_TOKEN_DELAY_S = 0.2
@@ -54,3 +59,45 @@ def test_stream_completion_times_the_first_token_not_the_first_chunk(server: str
     assert FIRST_TOKEN_DELAY_S <= ttft <= total < FIRST_TOKEN_DELAY_S + 5
     assert Streamer.bodies[-1] == {"model": "m", "prompt": [1, 2, 3], "max_tokens": 2,
                                    "temperature": 0, "stream": True, "ignore_eos": True}
+
+
+# A stand-in for `vllm serve` that leaves what vLLM leaves: a Unix socket in
+# VLLM_RPC_BASE_PATH (its ZMQ ipc:// endpoints) and a mapped /dev/shm segment (its message
+# queues); it reports both and cleans up neither.
+FAKE_SERVE = """
+import mmap, os, socket, sys, time
+path = os.path.join(os.environ["VLLM_RPC_BASE_PATH"], "engine-core")
+sock = socket.socket(socket.AF_UNIX)
+sock.bind(path)
+shm = f"/dev/shm/layerkv-test-{os.getpid()}"
+with open(shm, "wb+") as f:
+    f.truncate(4096)
+    mapped = mmap.mmap(f.fileno(), 4096)
+print("left", path, shm, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs Linux /dev/shm")
+@pytest.mark.parametrize("how", ["stop", "kill"])
+def test_a_stopped_server_leaves_no_socket_or_shared_memory_file(tmp_path, monkeypatch,
+                                                                   how: str) -> None:
+    monkeypatch.setattr(servers, "serve_command_prefix",
+                        lambda: [sys.executable, "-c", FAKE_SERVE, "serve"])
+    server = servers.VllmServer("model", servers.free_port(), served_model_name="m",
+                                cpu_bind="0", log_path=tmp_path / "server.log")
+    server.start()
+    deadline = time.monotonic() + 30
+    reported: list[str] = []
+    while not reported and time.monotonic() < deadline:
+        time.sleep(0.05)
+        reported = [line for line in server.log_path.read_text().splitlines()
+                    if line.startswith("left ")]
+    assert reported, server.log_tail(20)
+    sock, shm = (Path(p) for p in reported[0].split()[1:])
+    assert sock.is_socket() and sock.parent != Path(tempfile.gettempdir()) and shm.exists()
+    if how == "kill":  # a crash, as the failure tests cause; stop() then only reaps
+        server.kill()
+    server.stop(grace=5)
+    assert not sock.exists() and not sock.parent.exists()
+    assert not shm.exists()

