@@ -8,9 +8,10 @@
 # IPC byte-exact + copy rates); --tp-test runs tests/gpu/test_tp_gpu.py (prefill TP != decode
 # TP: one process per rank, staging + receive ring, every byte checked, fused copy vs torch). Then benchmarks/ttft_bench.py on the Llama-3.1-8B-shaped dummy
 # model. Each run writes straight into $OUT/$RUN, so a call cut by its time limit still brings
-# back what it measured (summary.json is rewritten after every measurement). Keep the bench's
-# own timeout under the call's limit minus install time: a call killed by the device tool's
-# limit skips the packing below. $BENCH keeps the single instance's greedy reference and a copy
+# back what it measured (summary.json is rewritten after every measurement). BENCH_TIMEOUT=S
+# stops the benchmark after S seconds (it stops its servers on SIGTERM) and still packs what
+# it has: keep S about 30 s under the call's limit. Wrapping this whole script in `timeout`
+# instead also kills the packing, and the server logs do not come back. $BENCH keeps the single instance's greedy reference and a copy
 # of each run while the machine stays warm, so configurations can run in separate calls; each
 # call also packs $BENCH into $OUT/bench.tar.gz.
 set -uo pipefail
@@ -45,7 +46,8 @@ if [ $tptest = 1 ]; then
   grep -E "^(PASSED|FAILED|\{)" "$BENCH/tp_test.log"
 fi
 if [ ${#configs[@]} -gt 0 ]; then
-  python3 benchmarks/ttft_bench.py --device cuda --model "$MODEL" --load-format dummy \
+  limit=(); [ -n "${BENCH_TIMEOUT:-}" ] && limit=(timeout -k 30 "$BENCH_TIMEOUT")
+  "${limit[@]}" python3 benchmarks/ttft_bench.py --device cuda --model "$MODEL" --load-format dummy \
     --configs "${configs[@]}" --out "$OUT/$RUN" --identity-ref "$BENCH/identity_single.json" \
     --num-gpus "$(nvidia-smi -L | wc -l)" "$@" \
     > "$OUT/$RUN/bench.log" 2>&1
