@@ -37,13 +37,13 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 if [ $ipc = 1 ]; then
   LAYERKV_GPU_RESULTS=$BENCH/ipc_test.json timeout 240 python3 tests/gpu/test_cuda_ipc.py \
     > "$BENCH/ipc_test.log" 2>&1; echo "ipc test exit $?"
-  grep -E "^(PASSED|FAILED)" "$BENCH/ipc_test.log"
+  grep -E "^(PASSED|FAILED|SKIPPED)" "$BENCH/ipc_test.log"
   python3 -c "import json,sys; [print(r['transport'], r['gpus'], r['env'], r['config'], 'GB/s %.2f' % r['p']['gbps'], 'direct', r['p']['direct'], 'bounces', r['p'].get('bounces')) for r in json.load(open(sys.argv[1]))]" "$BENCH/ipc_test.json" 2>/dev/null
 fi
 if [ $tptest = 1 ]; then
   LAYERKV_GPU_RESULTS=$BENCH/tp_test.json timeout 300 python3 tests/gpu/test_tp_gpu.py \
     > "$BENCH/tp_test.log" 2>&1; echo "tp test exit $?"
-  grep -E "^(PASSED|FAILED|\{)" "$BENCH/tp_test.log"
+  grep -E "^(PASSED|FAILED|SKIPPED|\{)" "$BENCH/tp_test.log"
 fi
 if [ ${#configs[@]} -gt 0 ]; then
   limit=(); [ -n "${BENCH_TIMEOUT:-}" ] && limit=(timeout -k 30 "$BENCH_TIMEOUT")
