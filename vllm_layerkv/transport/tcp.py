@@ -19,13 +19,13 @@ while P may still be writing into them. When no plane works P sends bytes, unles
 required (``transport`` named it), in which case the transfer fails with every plane's reason.
 
 Threads: D runs one accept thread and one reader thread per connection; P runs one ack-reader
-thread per connection (the sender thread writes).
+thread per connection (the sender thread writes). P's end of a connection is
+``tcp_channel.TcpSendChannel``; this module opens it, and serves D's end.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import socket
 import threading
 import time
@@ -53,7 +53,6 @@ from vllm_layerkv.protocol import (
 from vllm_layerkv.staging import RecvRing, StagingError, scatter
 from vllm_layerkv.transport import faults, framing
 from vllm_layerkv.transport.base import (
-    PendingWrite,
     ReceiveSink,
     SendChannel,
     Transport,
@@ -62,19 +61,15 @@ from vllm_layerkv.transport.base import (
 from vllm_layerkv.transport.direct import (
     DirectPlane,
     DirectUnavailable,
-    DirectWriteFailed,
     PeerWriter,
     host_id,
 )
+from vllm_layerkv.transport.tcp_channel import TcpSendChannel
 
 logger = logging.getLogger("vllm.layerkv.transport.tcp")
 SCRATCH_BYTES = 4 * 1024 * 1024
 SLOT_POLL_S = 0.001
 """D: how often a connection with a ring write waiting for a slot looks for one."""
-_NO_GRANT_YET = object()
-GRANT_PATIENCE_S = 0.002
-"""P: how long a sender with ring writes in flight waits for its next grant before it
-finishes the oldest of them (D may be waiting for that one to free a slot)."""
 _SCATTER_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
@@ -84,279 +79,6 @@ def _scatter_stream(device: torch.device) -> torch.cuda.Stream:
     if index not in _SCATTER_STREAMS:
         _SCATTER_STREAMS[index] = torch.cuda.Stream(device)
     return _SCATTER_STREAMS[index]
-
-
-class TcpSendChannel(SendChannel):
-    def __init__(self, sock: socket.socket, endpoint: str, blocks: BlockIO,
-                 on_ack: Callable[[TransferAck], None], on_lost: Callable[[str], None],
-                 writer: PeerWriter | None = None, io_timeout: float = 60.0,
-                 required: str = "", refusal: str = ""):
-        self._sock = sock
-        self._endpoint = endpoint
-        self._blocks = blocks
-        self._on_ack = on_ack
-        self._on_lost = on_lost
-        self._alive = True
-        self._writer = writer
-        """Set when P writes into D's memory itself (a direct plane) instead of sending bytes."""
-        self._io_timeout = io_timeout
-        self._required = required
-        """The ``transport`` setting when it named a plane (head slices may not fall back)."""
-        self._refusal = refusal
-        """Why no write can go to this decode (the forced plane cannot reach it). The
-        connection stays up so that each transfer fails at once and D is told, rather than
-        D waiting out kv_wait_timeout_s for a channel that was never opened."""
-        self._grants: queue.SimpleQueue[WriteGrant | None] = queue.SimpleQueue()
-        self._seq = 0
-        self._late_faults: set[str] = set()
-        """Test faults (faults.py): transfers whose writes fail from now on."""
-        self._reader = threading.Thread(
-            target=self._read_acks, name=f"layerkv-acks-{endpoint}", daemon=True
-        )
-        self._reader.start()
-
-    @property
-    def alive(self) -> bool:
-        return self._alive
-
-    @property
-    def direct(self) -> bool:
-        return self._writer is not None
-
-    @property
-    def bounces(self) -> bool:
-        return self._writer is not None and self._writer.host_bounce
-
-    def write_blocks(self, transfer_id: str, layers: Sequence[int], src_blocks: Sequence[int],
-                     dst_blocks: Sequence[int]) -> int:
-        if len(src_blocks) != len(dst_blocks):
-            raise ValueError("src_blocks and dst_blocks differ in length")
-        self._check_writable(transfer_id)
-        if self._writer is not None:
-            return self._write_direct(transfer_id, layers, src_blocks, dst_blocks)
-        block_bytes = self._blocks.block_bytes
-        nbytes = len(layers) * len(src_blocks) * block_bytes
-        header = BlockData(transfer_id=transfer_id, layers=list(layers),
-                           dst_blocks=list(dst_blocks), block_bytes=block_bytes, nbytes=nbytes)
-        try:
-            framing.send_message(self._sock, header)
-            for buf in self._blocks.read(layers, src_blocks):
-                self._sock.sendall(buf)
-        except OSError as e:
-            self._fail(f"send to {self._endpoint} failed: {e}")
-            raise TransportError(f"send to decode {self._endpoint} failed: {e}") from None
-        return nbytes
-
-    def _check_writable(self, transfer_id: str) -> None:
-        if self._refusal:
-            raise TransportError(self._refusal)
-        if transfer_id in self._late_faults:
-            time.sleep(faults.LATE_FAULT_DELAY_S)
-        if faults.write_fails(transfer_id) or transfer_id in self._late_faults:
-            raise TransportError(f"injected write fault for {transfer_id} ({faults.ENV})")
-
-    def _write_direct(self, transfer_id: str, layers: Sequence[int], src_blocks: Sequence[int],
-                      dst_blocks: Sequence[int]) -> int:
-        """Ask D for the blocks, write them through the plane, report the write complete."""
-        assert self._writer is not None
-        grant = self._ask(DirectWrite(transfer_id=transfer_id, seq=0, layers=list(layers),
-                                      dst_blocks=list(dst_blocks)))
-        seq = grant.seq
-        if not grant.ok:
-            return 0  # D closed the transfer; it will not be reported as received
-        nbytes = 0
-        try:
-            nbytes = self._writer.write(layers, src_blocks, dst_blocks)
-        except (DirectWriteFailed, ValueError) as e:
-            raise TransportError(f"direct write to decode {self._endpoint} failed: {e}") from None
-        finally:
-            self._send(DirectWritten(transfer_id=transfer_id, seq=seq, nbytes=nbytes))
-        return nbytes
-
-    def write_slices(self, transfer_id: str, layers: Sequence[int], src_blocks: Sequence[int],
-                     dst_blocks: Sequence[int], src_head: int, dst_head: int, num_heads: int,
-                     staging: torch.Tensor) -> int:
-        return self.finish_slices(self.start_slices(transfer_id, layers, src_blocks, dst_blocks,
-                                                    src_head, dst_head, num_heads, staging))
-
-    def start_slices(self, transfer_id: str, layers: Sequence[int], src_blocks: Sequence[int],
-                     dst_blocks: Sequence[int], src_head: int, dst_head: int, num_heads: int,
-                     staging: torch.Tensor, make_room: Callable[[], bool] | None = None
-                     ) -> PendingWrite:
-        """Through D's receive ring when the plane has one (posted, finished by
-        ``finish_slices``), else as bytes on this connection (complete on return)."""
-        if len(src_blocks) != len(dst_blocks):
-            raise ValueError("src_blocks and dst_blocks differ in length")
-        self._check_writable(transfer_id)
-        if self._writer is not None and self._writer.ring_slots:
-            return self._post_to_ring(transfer_id, layers, src_blocks, dst_blocks, src_head,
-                                      dst_head, num_heads, staging, make_room)
-        if self._writer is not None and self._required:
-            raise TransportError(
-                f"transport={self._required} cannot write head slices into decode "
-                f"{self._endpoint}: prefill and decode TP differ and decode offered no receive "
-                "ring (see its log); use transport=auto or tcp")
-        per_block = self._blocks.slice_bytes(num_heads)
-        nbytes = len(layers) * len(src_blocks) * per_block
-        header = BlockData(transfer_id=transfer_id, layers=list(layers),
-                           dst_blocks=list(dst_blocks), block_bytes=per_block, nbytes=nbytes,
-                           first_head=dst_head, num_heads=num_heads)
-        payload = self._blocks.read_slices(layers, src_blocks, src_head, num_heads, staging)
-        try:
-            framing.send_message(self._sock, header)
-            self._sock.sendall(payload)
-        except OSError as e:
-            self._fail(f"send to {self._endpoint} failed: {e}")
-            raise TransportError(f"send to decode {self._endpoint} failed: {e}") from None
-        return PendingWrite(transfer_id, nbytes)
-
-    def _post_to_ring(self, transfer_id: str, layers: Sequence[int], src_blocks: Sequence[int],
-                      dst_blocks: Sequence[int], src_head: int, dst_head: int, num_heads: int,
-                      staging: torch.Tensor, make_room: Callable[[], bool] | None
-                      ) -> PendingWrite:
-        """Ask D for a receive-ring slot, gather into it and post the write. D scatters the
-        slot into its blocks when ``finish_slices`` reports the write, then frees the slot."""
-        assert self._writer is not None
-        nbytes = len(layers) * len(src_blocks) * self._blocks.slice_bytes(num_heads)
-        grant = self._ask(DirectWrite(transfer_id=transfer_id, seq=0, layers=list(layers),
-                                      dst_blocks=list(dst_blocks), first_head=dst_head,
-                                      num_heads=num_heads, nbytes=nbytes,
-                                      plane=self._writer.plane), make_room)
-        if not grant.ok:
-            return PendingWrite(transfer_id, 0)
-        try:
-            staged = self._writer.post_staged(self._blocks.local_heads, layers, src_blocks,
-                                              src_head, num_heads, staging, grant.slot)
-        except (DirectWriteFailed, ValueError) as e:
-            self._send(DirectWritten(transfer_id=transfer_id, seq=grant.seq, nbytes=0))
-            raise TransportError(f"direct write to decode {self._endpoint} failed: {e}") from None
-        return PendingWrite(transfer_id, staged.nbytes, handle=(grant.seq, staged))
-
-    def finish_slices(self, pending: PendingWrite) -> int:
-        """Wait for a ring write, then report it (``DirectWritten``: D scatters the slot)."""
-        if pending.handle is None:
-            return pending.nbytes
-        assert self._writer is not None
-        (seq, staged), pending.handle = pending.handle, None
-        written = 0
-        try:
-            written = self._writer.finish_staged(staged)
-        except DirectWriteFailed as e:
-            raise TransportError(f"direct write to decode {self._endpoint} failed: {e}") from None
-        finally:
-            self._send(DirectWritten(transfer_id=pending.transfer_id, seq=seq, nbytes=written))
-        return written
-
-    def _ask(self, request: DirectWrite, make_room: Callable[[], bool] | None = None
-             ) -> WriteGrant:
-        """Send ``request`` under the next sequence number and wait for D's grant. With
-        ``make_room`` (the caller has ring writes in flight), a grant that does not come at
-        once may be waiting for a slot one of those writes holds: ``make_room`` finishes the
-        oldest (False: none left), then the wait goes on."""
-        self._seq += 1
-        request.seq = self._seq
-        self._send(request)
-        deadline = time.monotonic() + self._io_timeout
-        grant: WriteGrant | None | object = _NO_GRANT_YET
-        while make_room is not None:
-            grant = self._take_grant(GRANT_PATIENCE_S)
-            if grant is not _NO_GRANT_YET:
-                break
-            try:
-                if not make_room():
-                    break
-            except BaseException:
-                self._settle(request, deadline)
-                raise
-        if grant is _NO_GRANT_YET:
-            grant = self._take_grant(deadline - time.monotonic())
-        if not isinstance(grant, WriteGrant) or grant.seq != request.seq:
-            reason = (f"decode {self._endpoint} granted write {grant.seq}, expected "
-                      f"{request.seq}" if isinstance(grant, WriteGrant) else
-                      f"decode {self._endpoint} did not grant write {request.seq} within "
-                      f"io_timeout_s={self._io_timeout:.0f}")
-            self._fail(reason)
-            raise TransportError(reason)
-        return grant
-
-    def _take_grant(self, timeout: float) -> WriteGrant | None | object:
-        """The next grant; None once the connection failed; ``_NO_GRANT_YET`` after
-        ``timeout``."""
-        try:
-            return self._grants.get(timeout=max(0.0, timeout))
-        except queue.Empty:
-            return _NO_GRANT_YET
-
-    def _settle(self, request: DirectWrite, deadline: float) -> None:
-        """A request is out but its writer gave up (``make_room`` failed): take D's grant all
-        the same and hand a granted slot straight back, so that the next grant on this
-        connection is the next request's, and D's ring loses nothing."""
-        grant = self._take_grant(deadline - time.monotonic())
-        if not isinstance(grant, WriteGrant) or grant.seq != request.seq:
-            self._fail(f"decode {self._endpoint} did not answer write {request.seq}")
-            return
-        if grant.ok:
-            try:
-                self._send(DirectWritten(transfer_id=request.transfer_id, seq=grant.seq,
-                                         nbytes=0))
-            except TransportError:
-                pass
-
-    def send_nearly_done(self, transfer_id: str, tp_rank: int, eta_s: float) -> None:
-        self._send(TransferNearlyDone(transfer_id=transfer_id, tp_rank=tp_rank,
-                                      eta_s=max(0.0, eta_s)))
-        if faults.late_write_fails(transfer_id):
-            self._late_faults.add(transfer_id)
-
-    def send_done(self, transfer_id: str, tp_rank: int, frames: int, nbytes: int) -> None:
-        self._late_faults.discard(transfer_id)
-        self._send(TransferDone(transfer_id=transfer_id, tp_rank=tp_rank, frames=frames,
-                                nbytes=nbytes))
-
-    def send_abort(self, transfer_id: str, reason: str) -> None:
-        self._late_faults.discard(transfer_id)
-        self._send(TransferAbort(transfer_id=transfer_id, reason=reason))
-
-    def close(self) -> None:
-        self._alive = False
-        if self._writer is not None:
-            self._writer.close()
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._sock.close()
-
-    def _send(self, msg: TransferNearlyDone | TransferDone | TransferAbort | DirectWrite
-              | DirectWritten) -> None:
-        try:
-            framing.send_message(self._sock, msg)
-        except OSError as e:
-            self._fail(f"send to {self._endpoint} failed: {e}")
-            raise TransportError(f"send to decode {self._endpoint} failed: {e}") from None
-
-    def _read_acks(self) -> None:
-        try:
-            while self._alive:
-                # acks may be minutes apart: wait for readability, then read one message
-                if not framing.wait_readable(self._sock, 1.0):
-                    continue
-                msg = framing.recv_message(self._sock)
-                if isinstance(msg, TransferAck):
-                    self._on_ack(msg)
-                elif isinstance(msg, WriteGrant):
-                    self._grants.put(msg)
-                else:
-                    logger.warning("unexpected %s from decode %s", type(msg).__name__,
-                                   self._endpoint)
-        except (OSError, framing.PeerClosed, Exception) as e:  # noqa: BLE001 - thread boundary
-            self._fail(f"connection to decode {self._endpoint} lost: {e}")
-
-    def _fail(self, reason: str) -> None:
-        if self._alive:
-            self._alive = False
-            self._grants.put(None)  # wake a sender waiting for a grant
-            self._on_lost(reason)
 
 
 class TcpTransport(Transport):
