@@ -195,6 +195,10 @@ class NixlExport(msgspec.Struct, tag="nixl", kw_only=True):
     ring_in_host: bool = False
     """The ring is in D's (pinned) host memory: ``host_bounce`` is on for D, and P may send
     whole blocks through it too."""
+    host_id: str = ""
+    device_uuid: str = ""
+    """D's host and, for VRAM, its GPU: P tells when they are its own, because UCX's
+    cuda_ipc cannot copy between two processes on one GPU."""
 
 
 class MooncakeExport(msgspec.Struct, tag="mooncake", kw_only=True):

@@ -119,14 +119,23 @@ def test_tcp_forced_sends_bytes_through_pinned_staging() -> None:
 def test_nixl_writes_vram_byte_exact() -> None:
     """UCX's default transports (CUDA IPC between GPUs of one host)."""
     if torch.cuda.device_count() < 2:
-        # UCX's cuda_ipc between two processes on one device fails its copy (invalid
-        # argument, NIXL_ERR_BACKEND): benchmarks/results/2026-11-24-h200-shared-load-nixl
-        _skip("needs two GPUs: UCX's cuda_ipc fails between two processes on one GPU")
+        _skip("needs two GPUs (test_nixl_on_one_gpu_fails_saying_what_to_use covers one)")
     p_res, d_res = run_pair("nixl", [contiguous(256), {"src": list(range(0, 120, 3)),
                                                        "dst": list(range(900, 780, -3))}])
     assert p_res["direct"] and p_res["transport"] == "tcp+nixl"
     assert all(s == "acked" for s in p_res["states"].values()), p_res["states"]
     assert_exact(d_res, 2)
+
+
+def test_nixl_on_one_gpu_fails_saying_what_to_use() -> None:
+    """P and D on one GPU, UCX's defaults: UCX's cuda_ipc fails its copy between the two
+    processes (benchmarks/results/2026-11-24-h200-shared-load-nixl). The transfer fails, and
+    its reason says what to change."""
+    if torch.cuda.device_count() != 1:
+        _skip("needs P and D on one GPU")
+    p_res, _ = run_pair("nixl", [contiguous(16)])
+    (state,) = p_res["states"].values()
+    assert state != "acked" and "share one GPU" in state and "transport=auto" in state, state
 
 
 def test_nixl_over_ucx_tcp_byte_exact() -> None:

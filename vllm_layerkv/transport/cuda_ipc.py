@@ -37,6 +37,7 @@ from vllm_layerkv.transport.direct import (
     StagedWrite,
     check_blocks,
     check_geometry,
+    device_uuid,
     host_id,
     paired_runs,
 )
@@ -45,10 +46,6 @@ logger = logging.getLogger("vllm.layerkv.transport.cuda_ipc")
 MAX_RUN_COPIES = 8
 """Up to this many paired runs per layer are copied with one memcpy each; more (scattered
 blocks) switch to one gather + one scatter kernel per layer."""
-
-
-def device_uuid(device: torch.device) -> str:
-    return str(torch.cuda.get_device_properties(device).uuid)
 
 
 def copy_blocks(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor],

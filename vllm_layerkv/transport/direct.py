@@ -70,6 +70,11 @@ def host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
+def device_uuid(device: torch.device) -> str:
+    """The identity of a CUDA device, the same in every process that sees it."""
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
 def paired_runs(src_blocks: Sequence[int],
                 dst_blocks: Sequence[int]) -> list[tuple[int, int, int]]:
     """Maximal runs (src_start, dst_start, length) that are consecutive on both sides: one

@@ -17,6 +17,9 @@ IPC, shared memory, TCP...).
   and offers it with fresh agent metadata (a NIXL agent's metadata names its registered
   memory); P registers each staging buffer once, on first use, and writes a gathered slice
   into the granted ring slot with one descriptor.
+* P and D on one GPU: UCX's cuda_ipc fails its copies between two processes on the same device
+  (``NIXL_ERR_BACKEND``). D's export names its host and GPU, so P warns at attach and a failed
+  WRITE's reason says what to use instead (``ONE_GPU_HINT``).
 * ``host_bounce``: the same ring, in D's pinned host memory and offered to every sender; P
   writes every layer group into it from a registered pinned host buffer, so UCX moves host
   memory only (DRAM -> DRAM). ``ucx_reaches_gpu`` decides "auto" from ``UCX_TLS``.
@@ -46,6 +49,8 @@ from vllm_layerkv.transport.direct import (
     AddressedPlane,
     DirectUnavailable,
     DirectWriteFailed,
+    device_uuid,
+    host_id,
     layer_geometry,
     memory_regions,
 )
@@ -56,6 +61,9 @@ MAX_COALESCED_RUNS = 16
 per-block prepared lists are used."""
 PROGRESS_DELAY_US = 100_000
 POLL_FIRST_S, POLL_MAX_S = 20e-6, 1e-3
+ONE_GPU_HINT = ("P and D share one GPU, where UCX's cuda_ipc fails its copies between two "
+                "processes (NIXL_ERR_BACKEND); use transport=auto (CUDA IPC), or "
+                "UCX_TLS=tcp,cuda_copy,self (host_bounce)")
 INSTALL_HINT = ("install it with: pip install 'vllm-layerkv[nixl]' (GPU images: nixl-cu12 or "
                 "nixl-cu13 matching CUDA)")
 _agent_lock = threading.Lock()
@@ -127,6 +135,12 @@ def ucx_reaches_gpu(ucx_tls: str | None) -> tuple[bool, str]:
     return False, f"UCX_TLS={ucx_tls} names no transport that reaches GPU memory"
 
 
+def shares_gpu(export: NixlExport, device: torch.device) -> bool:
+    """D's VRAM KV is on ``device`` (where P's KV is), in another process."""
+    return (export.mem_type == "VRAM" and device.type == "cuda" and export.host_id == host_id()
+            and export.device_uuid == device_uuid(device))
+
+
 def _mem(local: Sequence[torch.Tensor]) -> tuple[str, int]:
     dev = local[0].device
     return ("VRAM", dev.index or 0) if dev.type == "cuda" else ("DRAM", 0)
@@ -152,6 +166,12 @@ class NixlPeer(AddressedPeer):
             raise DirectUnavailable(f"nixl: cannot load decode's agent metadata: {e}") from None
         self._remote = remote.decode() if isinstance(remote, bytes) else str(remote)
         self._prepped: tuple[Any, Any] | None = None
+        self._hint = ""
+        """Added to a failed WRITE's reason: what to change."""
+        if not host_bounce and shares_gpu(export, local[0].device):
+            self._hint = f"; {ONE_GPU_HINT}"
+            logger.warning("LayerKV nixl: writing into decode agent %s on this GPU: %s",
+                           self._remote, ONE_GPU_HINT)
         self.description = (f"NIXL DRAM->DRAM, agent {self._remote}, KV in {self._mem} through "
                             "pinned host memory (host_bounce)" if self.host_bounce else
                             f"NIXL {self._mem}->{export.mem_type}, agent {self._remote}")
@@ -238,7 +258,8 @@ class NixlPeer(AddressedPeer):
             state = self._agent.transfer(handle)
         except Exception as e:  # noqa: BLE001 - nixl raises its own exception types
             self._release(handle)
-            raise DirectWriteFailed(f"nixl: cannot post a WRITE to {self._remote}: {e}") from None
+            raise DirectWriteFailed(
+                f"nixl: cannot post a WRITE to {self._remote}: {e}{self._hint}") from None
         return handle, state, time.monotonic() + self._io_timeout
 
     def _wait(self, handle: Any, state: str, deadline: float) -> None:
@@ -254,11 +275,13 @@ class NixlPeer(AddressedPeer):
                 delay = min(delay * 2, POLL_MAX_S)
                 state = self._agent.check_xfer_state(handle)
             if state != "DONE":
-                raise DirectWriteFailed(f"nixl: WRITE to {self._remote} failed ({state})")
+                raise DirectWriteFailed(
+                    f"nixl: WRITE to {self._remote} failed ({state}){self._hint}")
         except DirectWriteFailed:
             raise
         except Exception as e:  # noqa: BLE001 - nixl raises its own exception types
-            raise DirectWriteFailed(f"nixl: WRITE to {self._remote} failed: {e}") from None
+            raise DirectWriteFailed(
+                f"nixl: WRITE to {self._remote} failed: {e}{self._hint}") from None
         finally:
             self._release(handle)
 
@@ -300,9 +323,11 @@ class NixlPlane(AddressedPlane):
         """(address, bytes) -> registration: P's staging buffers, D's receive ring."""
 
     def prepare(self) -> None:
+        device = self.local[0].device
         self._export = NixlExport(
             agent_name=self._agent.name, agent_metadata=self._agent.get_agent_metadata(),
-            mem_type=self._mem, device_id=self._dev, **layer_geometry(self.local))
+            mem_type=self._mem, device_id=self._dev, **layer_geometry(self.local),
+            host_id=host_id(), device_uuid=device_uuid(device) if device.type == "cuda" else "")
 
     def ring_export(self, ring: RecvRing) -> NixlExport:
         """With the ring, and agent metadata taken after its registration (a NIXL agent's
