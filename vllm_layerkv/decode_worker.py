@@ -19,6 +19,27 @@ from vllm_layerkv.trace import Tracer
 from vllm_layerkv.transport.base import Transport
 
 
+def early_release_applies(enabled: bool, kv_cache_groups: int, tp_size: int,
+                          device_type: str) -> tuple[bool, str]:
+    """Whether this decode worker may report requests early, and why not.
+
+    * vLLM takes load errors per block only for models with one KV cache group, and a request
+      reported early can fail only that way (it runs already).
+    * Not with host-memory KV at TP > 1: a rank that already has its KV enters the forward and
+      spins in the CPU all-reduce while another rank waits for its last group. A prefill
+      instance sharing that core (small hosts, the CI layout P TP1 -> D TP2 on two cores) then
+      barely runs, so the last group comes only after the wait times out (seen: 60 s, then
+      the request failed). On GPUs the collective waits on the device, not the host.
+    """
+    if not enabled:
+        return False, "early_release is off"
+    if kv_cache_groups != 1:
+        return False, f"the model has {kv_cache_groups} KV cache groups"
+    if tp_size > 1 and device_type != "cuda":
+        return False, f"KV in host memory at TP {tp_size}"
+    return True, ""
+
+
 class DecodeWorker:
     def __init__(self, config: LayerKVConfig, blocks: BlockIO, transport: Transport,
                  compat: CompatInfo, tp_rank: int, tp_size: int, stats: WorkerStats,

@@ -15,7 +15,7 @@ import torch
 from vllm_layerkv.blockio import block_io_for
 from vllm_layerkv.compat import device_type, kv_groups, tp_rank_and_size
 from vllm_layerkv.config import LayerKVConfig
-from vllm_layerkv.decode_worker import DecodeWorker
+from vllm_layerkv.decode_worker import DecodeWorker, early_release_applies
 from vllm_layerkv.layout import KVLayout, LayoutError, compat_info
 from vllm_layerkv.metadata import LayerKVHandshake, LayerKVMetadata
 from vllm_layerkv.prefill_worker import PrefillWorker
@@ -60,7 +60,7 @@ class LayerKVWorker:
         self._sender: Sender | None = None
         self._meta: LayerKVMetadata | None = None
         self._early_release = False
-        """Decode: report nearly done transfers early (config, one KV cache group only)."""
+        """Decode: report nearly done transfers early (``early_release_applies``)."""
         self._idle_wait = IDLE_WAIT_S
         self._idle_wait_max = (IDLE_WAIT_MAX_S if config.backs_off_when_idle(
             device_type(vllm_config)) else IDLE_WAIT_S)
@@ -94,9 +94,11 @@ class LayerKVWorker:
                                   writes_in_flight=self._config.writes_in_flight)
             self._prefill = PrefillWorker(self._config, layout, self._sender, self._tracer,
                                           self._stats)
-        # vLLM takes load errors per block only for models with one KV cache group, and a
-        # request reported early can fail only that way (it runs already)
-        self._early_release = self._config.early_release and len(groups) == 1
+        device = next(iter(kv_caches.values())).device.type
+        self._early_release, why_not = early_release_applies(
+            self._config.early_release, len(groups), self._tp_size, device)
+        if self._is_consumer and self._config.early_release and not self._early_release:
+            logger.info("LayerKV: early_release does not apply here (%s)", why_not)
         if self._is_consumer:
             self._decode = DecodeWorker(self._config, blocks, self._transport, self._compat,
                                         self._tp_rank, self._tp_size, self._stats, self._tracer)
