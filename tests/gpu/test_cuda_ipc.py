@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import torch
+from gpu_skip import Skipped, skip
 
 try:
     import pytest
@@ -67,18 +68,6 @@ def run_pair(transport: str, transfers: list[dict], layers: int = 32, blocks: in
     return p_res, d_res
 
 
-def _skip(why: str) -> None:
-    """Skip under pytest; raise the script's skip marker when run as a script (GPU images may
-    have pytest installed too, and the script's runner does not know pytest's)."""
-    if pytest is not None and __name__ != "__main__":
-        pytest.skip(why)
-    raise Skipped(why)
-
-
-class Skipped(Exception):
-    """A case the script run skips (it needs hardware this machine lacks)."""
-
-
 def contiguous(n: int, at: int = 0, dst_at: int = 500) -> dict:
     return {"src": list(range(at, at + n)), "dst": list(range(dst_at, dst_at + n))}
 
@@ -119,7 +108,8 @@ def test_tcp_forced_sends_bytes_through_pinned_staging() -> None:
 def test_nixl_writes_vram_byte_exact() -> None:
     """UCX's default transports (CUDA IPC between GPUs of one host)."""
     if torch.cuda.device_count() < 2:
-        _skip("needs two GPUs (test_nixl_on_one_gpu_fails_saying_what_to_use covers one)")
+        skip("needs two GPUs (test_nixl_on_one_gpu_fails_saying_what_to_use covers one)",
+             __name__)
     p_res, d_res = run_pair("nixl", [contiguous(256), {"src": list(range(0, 120, 3)),
                                                        "dst": list(range(900, 780, -3))}])
     assert p_res["direct"] and p_res["transport"] == "tcp+nixl"
@@ -132,7 +122,7 @@ def test_nixl_on_one_gpu_fails_saying_what_to_use() -> None:
     processes (benchmarks/results/2026-11-24-h200-shared-load-nixl). The transfer fails, and
     its reason says what to change."""
     if torch.cuda.device_count() != 1:
-        _skip("needs P and D on one GPU")
+        skip("needs P and D on one GPU", __name__)
     p_res, _ = run_pair("nixl", [contiguous(16)])
     (state,) = p_res["states"].values()
     assert state != "acked" and "share one GPU" in state and "transport=auto" in state, state

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import torch
+from gpu_skip import Skipped, skip
 
 try:
     import pytest
@@ -120,19 +121,7 @@ def _engine(module: str) -> None:
     try:
         __import__(module)
     except ImportError as e:
-        _skip(f"{module} is not installed ({e})")
-
-
-def _skip(why: str) -> None:
-    """Skip under pytest; raise the script's skip marker when run as a script (GPU images may
-    have pytest installed too, and the script's runner does not know pytest's)."""
-    if pytest is not None and __name__ != "__main__":
-        pytest.skip(why)
-    raise Skipped(why)
-
-
-class Skipped(Exception):
-    """A case the script run skips (its engine is not installed)."""
+        skip(f"{module} is not installed ({e})", __name__)
 
 
 def test_p_tp2_to_d_tp1_through_a_nixl_ring() -> None:
@@ -203,7 +192,7 @@ def test_warm_up_compiles_every_variant_a_request_needs() -> None:
 
     caches_of = getattr(fused_copy._copy_slices, "device_caches", None)
     if caches_of is None:
-        _skip("this Triton keeps no device_caches to count kernels in")
+        skip("this Triton keeps no device_caches to count kernels in", __name__)
 
     def compiled() -> int:
         return sum(len(entry[0]) for entry in caches_of.values())
