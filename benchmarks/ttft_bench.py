@@ -2,11 +2,14 @@
 
 Each configuration is started in turn (real ``vllm serve`` processes), measured with the
 standard ``vllm bench serve`` (random dataset, ``--save-result``) at every prompt length with
-concurrency 1, optionally under load, then stopped. Before anything else it gets two streamed
-requests at the first prompt length: the first one it ever serves (``cold_ttft_ms``: every
-first-use cost, such as P's first connection to D) and a second (``warm_ttft_ms``).
-Optionally checks greedy token identity of each P/D configuration against the single instance
-(and the single instance against itself first). Writes one JSON per bench run plus ``summary.json`` (medians per configuration and
+concurrency 1, optionally under load, then stopped. `vllm bench serve` runs in one worker
+process that imports vLLM once, while the first servers start (benchmarks/bench_serve.py):
+the command's own parser and main, point after point. Before anything else a configuration
+gets two streamed requests at the first prompt length: the first one it ever serves
+(``cold_ttft_ms``: every first-use cost, such as P's first connection to D) and a second
+(``warm_ttft_ms``). Optionally checks greedy token identity of each P/D configuration against
+the single instance (and the single instance against itself first). Writes one JSON per bench
+run (and its output, ``<point>.stdout``) plus ``summary.json`` (medians per configuration and
 length); ``benchmarks/plot_results.py`` draws the plots.
 
 Configurations (``--configs``):
@@ -37,7 +40,7 @@ GPU (lent H200s, see ../shared/gpu/README.md):
   python3 benchmarks/ttft_bench.py --device cuda --model $HOME/stage/core/models/llama8b \
       --load-format dummy --prompt-lens 1024 4096 8192 16000 --num-prompts 10 \
       --load 16:4096:128:200 --identity 8 --out $OUT
-CPU smoke (tiny model; about 1.5 min on 2 cores, mostly vLLM start-up):
+CPU smoke (tiny model; about 70 s on 2 cores, nearly all vLLM start-up):
   python benchmarks/ttft_bench.py --device cpu --model .models/tiny-llama --configs single layerkv \
       --prompt-lens 512 --num-prompts 2 --out /tmp/bench
 """
@@ -48,7 +51,6 @@ import argparse
 import json
 import re
 import signal
-import subprocess
 import sys
 import time
 import zlib
@@ -59,6 +61,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import profile_trace  # noqa: E402  (benchmarks/profile_trace.py, beside this script)
+from bench_serve import BenchServe  # noqa: E402  (benchmarks/bench_serve.py)
 from vllm_layerkv.testing.servers import (  # noqa: E402
     HelperProcess,
     VllmServer,
@@ -187,16 +190,23 @@ TRANSFER_COUNTERS = ("vllm:layerkv_groups_sent", "vllm:layerkv_transfers_sent",
                      "vllm:layerkv_bytes_sent")
 
 
-def start_config(config: Config, args: argparse.Namespace, out: Path
-                 ) -> tuple[str, list, list]:
-    """Start a configuration; returns (base URL to bench, vLLM servers, helper processes)."""
+@dataclass
+class Deployment:
+    """A configuration's processes before they serve: its vLLM servers (built, not started) and
+    the command line of its proxy, which starts once they answer."""
+
+    servers: list[VllmServer]
+    proxy_cmd: list[str] | None = None
+    proxy_log: Path | None = None
+
+
+def deploy(config: Config, args: argparse.Namespace, out: Path) -> Deployment:
+    """Build a configuration's servers; starts nothing."""
     name, family, p_tp, d_tp = config.name, config.family, config.p_tp, config.d_tp
     cdir = out / name
     cdir.mkdir(parents=True, exist_ok=True)
     if family == "single":
-        s = server(args, "single", cdir, None)
-        start_all([s], timeout=args.start_timeout)
-        return s.url, [s], []
+        return Deployment([server(args, "single", cdir, None)])
     if family.startswith("nixl"):
         env = {"UCX_TLS": "tcp,cuda_copy,self"} if family == "nixl-tcp" else {}
         if args.device == "cpu":
@@ -211,13 +221,9 @@ def start_config(config: Config, args: argparse.Namespace, out: Path
                                           "kv_role": "kv_consumer", **buf},
                    {**env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(d_port),
                     "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}, tp=d_tp, other_tp=p_tp)
-        start_pair(p, d, args, p_tp, d_tp)
-        port = free_port()
-        proxy = HelperProcess([sys.executable, str(ROOT / "benchmarks" / "nixl_proxy.py"), "--prefill",
-                      p.url, "--decode", d.url, "--port", str(port)], cdir / "proxy.log",
-                     f"http://127.0.0.1:{port}")
-        proxy.wait_ready()
-        return proxy.url, [p, d], [proxy]
+        proxy = [sys.executable, str(ROOT / "benchmarks" / "nixl_proxy.py"),
+                 "--prefill", p.url, "--decode", d.url]
+        return Deployment([p, d], proxy, cdir / "proxy.log")
     if family in LAYERKV_CONFIGS:
         common, env = LAYERKV_CONFIGS[family]
         common = dict(common)
@@ -239,14 +245,32 @@ def start_config(config: Config, args: argparse.Namespace, out: Path
         d = server(args, "decode", cdir, {**lkv, "kv_role": "kv_consumer",
                                           "kv_connector_extra_config": common}, env,
                    tp=d_tp, other_tp=p_tp)
-        start_pair(p, d, args, p_tp, d_tp)
-        port = free_port()
-        proxy = HelperProcess([sys.executable, "-m", "vllm_layerkv.cli", "proxy", "--prefill", p.url,
-                      "--decode", d.url, "--port", str(port), *trace], cdir / "proxy.log",
-                     f"http://127.0.0.1:{port}")
-        proxy.wait_ready()
-        return proxy.url, [p, d], [proxy]
+        proxy = [sys.executable, "-m", "vllm_layerkv.cli", "proxy", "--prefill", p.url,
+                 "--decode", d.url, *trace]
+        return Deployment([p, d], proxy, cdir / "proxy.log")
     raise SystemExit(f"unknown configuration {name!r}")
+
+
+def bring_up(deployment: Deployment, config: Config, args: argparse.Namespace
+             ) -> tuple[str, list[HelperProcess]]:
+    """Start a configuration's servers, then its proxy; returns the base URL to bench and the
+    helper processes. On failure nothing is left running."""
+    servers = deployment.servers
+    if deployment.proxy_cmd is None:
+        start_all(servers, timeout=args.start_timeout)
+        return servers[0].url, []
+    start_pair(servers[0], servers[1], args, config.p_tp, config.d_tp)
+    port = free_port()
+    assert deployment.proxy_log is not None
+    proxy = HelperProcess([*deployment.proxy_cmd, "--port", str(port)], deployment.proxy_log,
+                          f"http://127.0.0.1:{port}")
+    try:
+        proxy.wait_ready()
+    except BaseException:
+        proxy.stop()
+        stop_all(servers)
+        raise
+    return proxy.url, [proxy]
 
 
 def dataset_seed(concurrency: int, input_len: int, output_len: int) -> int:
@@ -255,8 +279,9 @@ def dataset_seed(concurrency: int, input_len: int, output_len: int) -> int:
     return zlib.crc32(f"c{concurrency}:in{input_len}:out{output_len}".encode())
 
 
-def bench(url: str, args: argparse.Namespace, out: Path, tag: str, input_len: int,
-          output_len: int, num_prompts: int, concurrency: int) -> dict[str, Any]:
+def bench(runner: BenchServe, url: str, args: argparse.Namespace, out: Path, tag: str,
+          input_len: int, output_len: int, num_prompts: int, concurrency: int
+          ) -> dict[str, Any]:
     fname = f"{tag}.json"
     # A seed per (length, concurrency, output length): with one seed, the random dataset's
     # prompt i of every length starts with the same tokens, so each length would hit the prefix
@@ -265,20 +290,19 @@ def bench(url: str, args: argparse.Namespace, out: Path, tag: str, input_len: in
     # vLLM's uses prompt 0, which would then be a full prefix-cache hit when measured; the
     # configuration is warmed up with prompts of its own instead (warm_up).
     seed = dataset_seed(concurrency, input_len, output_len)
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve",
-           "--backend", "vllm", "--base-url", url, "--endpoint", "/v1/completions",
-           "--model", NAME, "--tokenizer", str(args.tokenizer or args.model),
-           "--dataset-name", "random", "--random-input-len", str(input_len),
-           "--random-output-len", str(output_len), "--num-prompts", str(num_prompts),
-           "--max-concurrency", str(concurrency), "--ignore-eos", "--seed", str(seed),
-           "--ready-check-timeout-sec", "0",
-           "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
-           "--save-result", "--result-dir", str(out), "--result-filename", fname]
-    log(" ".join(cmd[2:]))
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.bench_timeout)
-    (out / f"{tag}.stdout").write_text(r.stdout[-20000:] + r.stderr[-20000:])
-    if r.returncode != 0:
-        raise RuntimeError(f"bench {tag} failed ({r.returncode}): {r.stderr[-2000:]}")
+    argv = ["--backend", "vllm", "--base-url", url, "--endpoint", "/v1/completions",
+            "--model", NAME, "--tokenizer", str(args.tokenizer or args.model),
+            "--dataset-name", "random", "--random-input-len", str(input_len),
+            "--random-output-len", str(output_len), "--num-prompts", str(num_prompts),
+            "--max-concurrency", str(concurrency), "--ignore-eos", "--seed", str(seed),
+            "--ready-check-timeout-sec", "0",
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+            "--save-result", "--result-dir", str(out), "--result-filename", fname]
+    log("vllm bench serve " + " ".join(argv))
+    try:
+        runner.run(argv, out / f"{tag}.stdout", timeout=args.bench_timeout)
+    except RuntimeError as e:
+        raise RuntimeError(f"bench {tag} failed: {e}") from None
     return json.loads((out / fname).read_text())
 
 
@@ -432,71 +456,80 @@ def main() -> int:
 
     ok = True
     configs = [parse_config(name) for name in args.configs]  # all names checked up front
-    for config in configs:
-        name = config.name
-        log(f"=== {name}: starting")
-        t0 = time.monotonic()
-        url, servers, procs = start_config(config, args, args.out)
-        res: dict[str, Any] = {"start_s": round(time.monotonic() - t0, 1)}
-        summary["results"][name] = res
-        try:
-            res["cold_start"] = cold_start(url, args.model,
-                                           min(args.prompt_lens[0], args.max_model_len - 64))
-            log(f"{name}: first request TTFT {res['cold_start']['cold_ttft_ms']:.1f} ms, "
-                f"second {res['cold_start']['warm_ttft_ms']:.1f} ms")
-            save()
-            if prompts:
-                ids = greedy_ids(url, prompts, 16)
-                if config.family == "single":
-                    again = greedy_ids(url, prompts, 16)
-                    summary["identity"]["single_vs_single"] = sum(a == b for a, b in
-                                                                  zip(ids, again))
-                    reference = ids
-                    ref_path.parent.mkdir(parents=True, exist_ok=True)
-                    ref_path.write_text(json.dumps({"prompts": prompts, "ids": ids}))
-                elif reference is not None:
-                    same = sum(a == b for a, b in zip(ids, reference))
-                    summary["identity"][f"{name}_vs_single"] = same
-                    ok &= same == len(prompts)
+    # vllm bench serve's import runs in its worker while the first servers start (bench_serve.py)
+    runner = BenchServe(args.out / "bench_serve_worker.log")
+    runner.start()
+    try:
+        for config in configs:
+            name = config.name
+            log(f"=== {name}: starting")
+            t0 = time.monotonic()
+            deployment = deploy(config, args, args.out)
+            servers = deployment.servers
+            url, procs = bring_up(deployment, config, args)
+            res: dict[str, Any] = {"start_s": round(time.monotonic() - t0, 1)}
+            summary["results"][name] = res
+            try:
+                res["cold_start"] = cold_start(url, args.model,
+                                               min(args.prompt_lens[0], args.max_model_len - 64))
+                log(f"{name}: first request TTFT {res['cold_start']['cold_ttft_ms']:.1f} ms, "
+                    f"second {res['cold_start']['warm_ttft_ms']:.1f} ms")
                 save()
-            warm_up(url, args.model, sorted({min(n, args.max_model_len - 64)
-                                             for n in args.prompt_lens}))
-            for n in args.prompt_lens:
-                r = bench(url, args, args.out, f"{name}_c1_in{n}", n, args.output_len,
-                          args.num_prompts, 1)
-                res[f"c1_in{n}"] = summarize(r)
-                log(f"{name} in={n}: median TTFT {r['median_ttft_ms']:.1f} ms")
-                save()
-            for spec in args.load:
-                c, i, o, k = (int(x) for x in spec.split(":"))
-                r = bench(url, args, args.out, f"{name}_c{c}_in{i}_out{o}", i, o, k, c)
-                res[f"c{c}_in{i}_out{o}"] = summarize(r)
-                save()
-                log(f"{name} load c={c}: mean TTFT {r['mean_ttft_ms']:.1f} ms, "
-                    f"mean TPOT {r['mean_tpot_ms']:.2f} ms")
+                if prompts:
+                    ids = greedy_ids(url, prompts, 16)
+                    if config.family == "single":
+                        again = greedy_ids(url, prompts, 16)
+                        summary["identity"]["single_vs_single"] = sum(a == b for a, b in
+                                                                      zip(ids, again))
+                        reference = ids
+                        ref_path.parent.mkdir(parents=True, exist_ok=True)
+                        ref_path.write_text(json.dumps({"prompts": prompts, "ids": ids}))
+                    elif reference is not None:
+                        same = sum(a == b for a, b in zip(ids, reference))
+                        summary["identity"][f"{name}_vs_single"] = same
+                        ok &= same == len(prompts)
+                    save()
+                warm_up(url, args.model, sorted({min(n, args.max_model_len - 64)
+                                                 for n in args.prompt_lens}))
+                for n in args.prompt_lens:
+                    r = bench(runner, url, args, args.out, f"{name}_c1_in{n}", n, args.output_len,
+                              args.num_prompts, 1)
+                    res[f"c1_in{n}"] = summarize(r)
+                    log(f"{name} in={n}: median TTFT {r['median_ttft_ms']:.1f} ms")
+                    save()
+                for spec in args.load:
+                    c, i, o, k = (int(x) for x in spec.split(":"))
+                    r = bench(runner, url, args, args.out, f"{name}_c{c}_in{i}_out{o}", i, o, k, c)
+                    res[f"c{c}_in{i}_out{o}"] = summarize(r)
+                    save()
+                    log(f"{name} load c={c}: mean TTFT {r['mean_ttft_ms']:.1f} ms, "
+                        f"mean TPOT {r['mean_tpot_ms']:.2f} ms")
+                if config.family in LAYERKV_CONFIGS:
+                    res["counters"] = transfer_counters(servers[0], config.p_tp)
+                    log(f"{name}: P counters {res['counters']}")
+            except Exception as e:  # keep what was measured; record the failure
+                res["error"] = str(e)[-2000:]
+                ok = False
+                log(f"{name} failed: {e}")
+            finally:
+                for p in procs:
+                    p.stop()
+                stop_all(servers)
             if config.family in LAYERKV_CONFIGS:
-                res["counters"] = transfer_counters(servers[0], config.p_tp)
-                log(f"{name}: P counters {res['counters']}")
-        except Exception as e:  # keep what was measured; record the failure
-            res["error"] = str(e)[-2000:]
-            ok = False
-            log(f"{name} failed: {e}")
-        finally:
-            for p in procs:
-                p.stop()
-            stop_all(servers)
-        if config.family in LAYERKV_CONFIGS:
-            res["transport_used"] = layerkv_transport_used(args.out / name / "prefill.log")
-            log(f"{name}: P used {res['transport_used']}")
-            if args.trace:
-                rows = profile_trace.request_breakdowns(args.out / name)
-                if rows:
-                    medians = profile_trace.medians_by_length(rows)
-                    res["profile"] = medians
-                    (args.out / f"{name}_profile.json").write_text(
-                        json.dumps({"medians": medians, "requests": rows}, indent=1))
-                    log(f"{name} TTFT profile (median ms):\n" + profile_trace.format_table(medians))
-        save()
+                res["transport_used"] = layerkv_transport_used(args.out / name / "prefill.log")
+                log(f"{name}: P used {res['transport_used']}")
+                if args.trace:
+                    rows = profile_trace.request_breakdowns(args.out / name)
+                    if rows:
+                        medians = profile_trace.medians_by_length(rows)
+                        res["profile"] = medians
+                        (args.out / f"{name}_profile.json").write_text(
+                            json.dumps({"medians": medians, "requests": rows}, indent=1))
+                        log(f"{name} TTFT profile (median ms):\n"
+                            + profile_trace.format_table(medians))
+            save()
+    finally:
+        runner.close()
     table = []
     for n in args.prompt_lens:
         row = [f"{n:>6}"]

@@ -1,11 +1,12 @@
 """The benchmark script's CPU smoke run: the same script the GPU numbers come from, on the tiny
 random model, single instance vs LayerKV P/D, with the greedy identity check.
 
-Two configurations only: on the 2-core CI machine each costs 30-40 s of vLLM start-up, so this
-is as short as a run with real servers gets (about 2 min). The script's different-TP
-configurations (``layerkv-tp2-tp1``: placement, CPU binding, counters per P rank) are checked
-without servers in tests/unit/test_ttft_bench.py; tests/e2e/test_tp_e2e.py runs P TP2 / D TP1
-end to end."""
+Two configurations only: on the 2-core CI machine each costs about 35 s of vLLM start-up
+(about 30 s of CPU per server, so starting them together saves little), and
+`vllm bench serve` runs in one worker (benchmarks/bench_serve.py) that imports vLLM while the
+first servers start: about 70 s in all. The script's different-TP configurations
+(``layerkv-tp2-tp1``: placement, CPU binding, counters per P rank) are checked without servers
+in tests/unit/test_ttft_bench.py; tests/e2e/test_tp_e2e.py runs P TP2 / D TP1 end to end."""
 
 from __future__ import annotations
 
