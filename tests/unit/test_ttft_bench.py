@@ -66,3 +66,36 @@ def test_transfer_counters_count_requests_once_per_prefill_rank() -> None:
     assert counters["transfer_ops_per_request"] == 5.0
     assert counters["layerkv_bytes_sent"] == 1048576.0
     assert "requests" not in ttft_bench.transfer_counters(FakePrefill(""), p_tp=1)
+
+
+class FakeServer:
+    """What bring_up uses of a vLLM server: start, readiness, stop."""
+
+    def __init__(self) -> None:
+        self.pid: int | None = None
+        self.url = "http://127.0.0.1:1"
+        self.stopped = False
+
+    def start(self) -> None:
+        self.pid = 1
+
+    def poll_ready(self) -> bool:
+        return True
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
+def test_a_proxy_that_fails_to_start_takes_its_servers_down(tmp_path) -> None:
+    import argparse
+    import sys
+
+    from vllm_layerkv.testing.servers import ServerError
+
+    p, d = FakeServer(), FakeServer()
+    deployment = ttft_bench.Deployment([p, d], [sys.executable, "-c", "raise SystemExit(3)"],
+                                       tmp_path / "proxy.log")
+    args = argparse.Namespace(device="cpu", num_gpus=2, start_timeout=10)
+    with pytest.raises(ServerError, match="exited with 3"):
+        ttft_bench.bring_up(deployment, ttft_bench.parse_config("layerkv"), args)
+    assert p.stopped and d.stopped
