@@ -57,6 +57,7 @@ if [ ${#configs[@]} -gt 0 ]; then
 fi
 # never leave servers holding the GPUs for the next call (bracketed: do not match this shell)
 pkill -f "[v]llm.entrypoints.cli.main serve" 2>/dev/null; pkill -f "[v]llm_layerkv.cli proxy" 2>/dev/null
+pkill -f "[b]ench_serve.py --worker" 2>/dev/null
 tar -czf "$OUT/bench.tar.gz" -C "$BENCH" . 2>/dev/null
 cp "$OUT/$RUN/summary.json" "$OUT/summary_$RUN.json" 2>/dev/null
 ls -la "$OUT"
