@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,10 @@ HARNESS = Path(__file__).parents[1] / "gpu" / "test_tp_gpu.py"
 
 
 def _harness():
+    # the harness imports its sibling gpu_skip.py, as it does when run as a script; without
+    # this it only worked when pytest had collected tests/gpu/ first (a full run)
+    if str(HARNESS.parent) not in sys.path:
+        sys.path.append(str(HARNESS.parent))
     spec = importlib.util.spec_from_file_location("tp_gpu_harness", HARNESS)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # type: ignore[union-attr]
