@@ -1,36 +1,7 @@
-"""OpenAI-compatible prefill/decode (P/D) proxy for LayerKV, built on aiohttp.
-
-Flow of one ``/v1/completions`` or ``/v1/chat/completions`` request::
-
-    client ──► proxy ──┬──► prefill P   body + max_tokens=1, stream=false,
-                       │                kv_transfer_params={do_remote_decode, transfer_id}
-                       └──► decode  D   body unchanged +
-                                        kv_transfer_params={do_remote_prefill, transfer_id,
-                                                            remote_host, remote_port}
-    client ◄── D's response (status, JSON body, or the SSE stream chunk by chunk)
-
-* P and D are picked round-robin, independently of each other (any xPyD layout).
-* Both upstream requests are sent **at the same time**. The LayerKV connector on D registers
-  with P's LayerKV endpoint (``remote_host:remote_port``) as soon as D has scheduled the request,
-  and P streams the KV layer group by layer group while it is still prefilling; waiting for P's
-  answer before sending D would serialise exactly what LayerKV overlaps.
-* ``transfer_id`` (a fresh uuid4 hex) is what P and D match the transfer on; it is also sent as
-  ``X-Request-Id`` to both so that the backends' logs line up.
-* If P fails, D's request is cancelled (closing its connection makes vLLM abort it) and P's
-  error goes to the client; if D fails, P is cancelled and D's error goes to the client. If the
-  client goes away, both upstream requests are cancelled.
-* Requests that need prompt logprobs (``prompt_logprobs``, or ``echo`` + ``logprobs`` on
-  ``/v1/completions``) cannot be served by D, which never computes the prompt's logits: they are
-  sent unchanged to a prefill instance alone (lm-eval's loglikelihood tasks rely on this).
-
-Discovery: the proxy learns each prefill instance's LayerKV endpoint by asking it. It fetches a
-model id from ``GET /v1/models`` and sends a 1-token completion with
-``kv_transfer_params={"layerkv_discover": true}``; the connector answers with
-``kv_transfer_params={"layerkv_endpoint": "HOST:PORT", ...}`` in the response. The endpoint can
-also be given explicitly as a URL fragment, ``http://p-host:8100#kv=HOST:PORT``.
-
-See docs/proxy.md for usage.
-"""
+"""The proxy itself: start-up (health wait, discovery of each prefill instance's LayerKV
+endpoint), the request handlers that send P's and D's requests at the same time and relay D's
+answer, /v1/models and /health, and the aiohttp application around them (the request flow is
+in the package docstring, ``vllm_layerkv/proxy/__init__.py``)."""
 
 from __future__ import annotations
 
@@ -39,19 +10,37 @@ import json
 import logging
 import os
 import uuid
-from dataclasses import dataclass, field
-from typing import Any, Callable, Generic, Iterable, Sequence, TypeVar
+from typing import Any, Iterable, Sequence
 from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
 
+from vllm_layerkv.proxy.backends import (
+    Backend,
+    RoundRobin,
+    parse_backend_url,
+    parse_hostport,
+)
+from vllm_layerkv.proxy.bodies import (
+    CHAT_PATH,
+    COMPLETIONS_PATH,
+    decode_body,
+    needs_prompt_logprobs,
+    parse_request_body,
+    prefill_body,
+)
+from vllm_layerkv.proxy.errors import (
+    BadRequest,
+    UpstreamError,
+    UpstreamReply,
+    encode_json,
+    error_response,
+)
+from vllm_layerkv.proxy.relay import ClientGone, StreamRelay
 from vllm_layerkv.trace import Tracer
 
 logger = logging.getLogger("vllm_layerkv.proxy")
-
-COMPLETIONS_PATH = "/v1/completions"
-CHAT_PATH = "/v1/chat/completions"
 
 # Prompts can be long (and chat requests may carry base64 images): aiohttp's default 1 MiB
 # request-body limit would reject legitimate long-context benchmark requests.
@@ -69,225 +58,6 @@ DISCOVERY_TIMEOUT_S = 120.0
 PREFILL_GRACE_S = 300.0
 
 _UNSPECIFIED_HOSTS = {"", "0.0.0.0", "::", "[::]"}
-
-
-# ---------------------------------------------------------------------------------------------
-# Backends and round-robin
-# ---------------------------------------------------------------------------------------------
-
-
-def _parse_hostport(text: str, what: str) -> tuple[str, int]:
-    """``HOST:PORT`` / ``[v6]:PORT`` -> (host, port); ValueError naming ``what`` otherwise."""
-    host, sep, port_s = text.strip().rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if not sep or not host or not port_s.isdigit() or not 0 < int(port_s) < 65536:
-        raise ValueError(f"{what} must be HOST:PORT with a port in 1-65535, got {text!r}")
-    return host, int(port_s)
-
-
-@dataclass
-class Backend:
-    """One vLLM OpenAI server (a prefill or a decode instance)."""
-
-    url: str
-    """Server root, e.g. ``http://10.0.0.5:8100`` (no trailing slash, no fragment)."""
-    role: str
-    """``"prefill"`` or ``"decode"``."""
-    kv_endpoint: tuple[str, int] | None = None
-    """Prefill only: the LayerKV endpoint D registers with (discovered or overridden)."""
-    kv_override: bool = False
-    """True when ``kv_endpoint`` came from the URL's ``#kv=HOST:PORT`` fragment."""
-    discovery_error: str | None = None
-    """Prefill only: why the last discovery of ``kv_endpoint`` failed (None after a success)."""
-    discover_lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
-
-    def __str__(self) -> str:
-        return f"{self.role} {self.url}"
-
-
-def parse_backend_url(text: str, role: str) -> Backend:
-    """Validate a backend URL from the command line or ``build_app``.
-
-    Accepts ``http(s)://host:port`` (the server root). Prefill URLs may carry
-    ``#kv=HOST:PORT`` to give the LayerKV endpoint explicitly. Raises ValueError with a message
-    saying what to change.
-    """
-    if role not in ("prefill", "decode"):
-        raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
-    raw = text.strip()
-    try:
-        parts = urlsplit(raw)
-        port = parts.port  # raises ValueError for a non-numeric / out-of-range port
-    except ValueError as e:
-        raise ValueError(f"invalid {role} URL {text!r}: {e}") from None
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"invalid {role} URL {text!r}: expected http://HOST:PORT "
-                         f"(e.g. http://127.0.0.1:8100)")
-    if parts.path not in ("", "/") or parts.query:
-        raise ValueError(f"invalid {role} URL {text!r}: give the server root "
-                         f"({parts.scheme}://{parts.netloc}), without a path such as /v1")
-    if port is None:
-        logger.warning("%s URL %s has no port; using the scheme's default", role, raw)
-    backend = Backend(url=f"{parts.scheme}://{parts.netloc}", role=role)
-    if parts.fragment:
-        if role != "prefill":
-            raise ValueError(f"invalid decode URL {text!r}: only prefill URLs take a "
-                             f"'#kv=HOST:PORT' fragment")
-        key, eq, value = parts.fragment.partition("=")
-        if key != "kv" or not eq:
-            raise ValueError(f"invalid prefill URL {text!r}: the fragment must be "
-                             f"'#kv=HOST:PORT' (the instance's LayerKV endpoint)")
-        backend.kv_endpoint = _parse_hostport(value, f"the '#kv=' part of {text!r}")
-        backend.kv_override = True
-    return backend
-
-
-T = TypeVar("T")
-
-
-class RoundRobin(Generic[T]):
-    """Cycles through a fixed list. Single-threaded (event loop), so no lock is needed."""
-
-    def __init__(self, items: Iterable[T]) -> None:
-        self.items: list[T] = list(items)
-        if not self.items:
-            raise ValueError("RoundRobin needs at least one item")
-        self._next = 0
-
-    def next(self) -> T:
-        item = self.items[self._next]
-        self._next = (self._next + 1) % len(self.items)
-        return item
-
-
-# ---------------------------------------------------------------------------------------------
-# Errors and small helpers
-# ---------------------------------------------------------------------------------------------
-
-
-def error_json(status: int, message: str, type_: str) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "code": status}}
-
-
-def error_response(status: int, message: str, type_: str = "invalid_request_error",
-                   headers: dict[str, str] | None = None) -> web.Response:
-    return web.json_response(error_json(status, message, type_), status=status, headers=headers)
-
-
-class BadRequest(Exception):
-    """The client's request is malformed (HTTP 400)."""
-
-    def response(self) -> web.Response:
-        return error_response(400, str(self))
-
-
-class UpstreamError(Exception):
-    """A backend could not be reached, or is misconfigured: what the client gets (502)."""
-
-    def __init__(self, backend: Backend | None, message: str, status: int = 502) -> None:
-        super().__init__(message)
-        self.backend = backend
-        self.status = status
-
-    def response(self, headers: dict[str, str] | None = None) -> web.Response:
-        return error_response(self.status, str(self), "bad_gateway", headers)
-
-
-@dataclass
-class UpstreamReply:
-    """A fully read upstream response."""
-
-    backend: Backend
-    status: int
-    body: bytes
-    content_type: str
-
-    def response(self, headers: dict[str, str] | None = None) -> web.Response:
-        return web.Response(status=self.status, body=self.body, headers={
-            "Content-Type": self.content_type or "application/json", **(headers or {})})
-
-    def error_message(self) -> tuple[str, str]:
-        """(message, type) from a backend error body (OpenAI or vLLM style), for SSE events."""
-        text = self.body.decode("utf-8", "replace")
-        try:
-            js = json.loads(text)
-        except ValueError:
-            return text[:2000] or f"HTTP {self.status}", "upstream_error"
-        err = js.get("error", js) if isinstance(js, dict) else js
-        if isinstance(err, dict):
-            return str(err.get("message", text))[:2000], str(err.get("type", "upstream_error"))
-        return text[:2000], "upstream_error"
-
-
-def _dumps(obj: Any) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-
-
-def _sse_error(status: int, message: str, type_: str) -> bytes:
-    # Same shape vLLM itself emits when a stream fails part-way, followed by [DONE].
-    return b"data: " + _dumps(error_json(status, message, type_)) + b"\n\ndata: [DONE]\n\n"
-
-
-def parse_request_body(raw: bytes, chat: bool) -> dict[str, Any]:
-    """Decode and minimally validate a completion/chat body; BadRequest says what to change."""
-    endpoint = CHAT_PATH if chat else COMPLETIONS_PATH
-    example = ('{"model": "...", "messages": [{"role": "user", "content": "Hi"}]}' if chat
-               else '{"model": "...", "prompt": "Hello"}')
-    if not raw.strip():
-        raise BadRequest(f"request body is empty; POST a JSON object to {endpoint}, e.g. {example}")
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise BadRequest(f"request body is not valid JSON ({e}); POST a JSON object to "
-                         f"{endpoint}, e.g. {example}") from None
-    if not isinstance(body, dict):
-        raise BadRequest(f"request body must be a JSON object, got a JSON {type(body).__name__}; "
-                         f"e.g. {example}")
-    if not isinstance(body.get("model"), str) or not body["model"]:
-        raise BadRequest("missing 'model': set it to the model name the backends serve "
-                         "(GET /v1/models lists it)")
-    if chat:
-        if not isinstance(body.get("messages"), list) or not body["messages"]:
-            raise BadRequest("missing 'messages': chat requests need a non-empty list of "
-                             "messages, e.g. [{\"role\": \"user\", \"content\": \"Hi\"}] "
-                             "(use /v1/completions for a plain 'prompt')")
-    elif body.get("prompt") is None:
-        raise BadRequest("missing 'prompt': completion requests need a 'prompt' (a string, a "
-                         "list of strings or of token ids); use /v1/chat/completions for "
-                         "'messages'")
-    return body
-
-
-def needs_prompt_logprobs(body: dict[str, Any], chat: bool) -> bool:
-    """True if the response must contain logprobs of the prompt, which only P computes."""
-    if body.get("prompt_logprobs") is not None:
-        return True
-    return (not chat) and bool(body.get("echo")) and body.get("logprobs") is not None
-
-
-def prefill_body(body: dict[str, Any], transfer_id: str, chat: bool) -> dict[str, Any]:
-    """The body sent to P: prefill the prompt, generate one token, keep the KV for D."""
-    p = dict(body)
-    p["max_tokens"] = 1
-    if chat and "max_completion_tokens" in p:
-        p["max_completion_tokens"] = 1
-    p["stream"] = False
-    # stream_options is rejected without stream=true; min_tokens > max_tokens is rejected;
-    # best_of >= n sampling is D's business (P makes exactly one sequence).
-    for key in ("stream_options", "min_tokens", "best_of"):
-        p.pop(key, None)
-    p["n"] = 1
-    p["kv_transfer_params"] = {"do_remote_decode": True, "transfer_id": transfer_id}
-    return p
-
-
-def decode_body(body: dict[str, Any], transfer_id: str, host: str, port: int) -> dict[str, Any]:
-    """The body sent to D: the client's request, plus where its KV comes from."""
-    d = dict(body)
-    d["kv_transfer_params"] = {"do_remote_prefill": True, "transfer_id": transfer_id,
-                               "remote_host": host, "remote_port": port}
-    return d
 
 
 async def _cancel_and_wait(tasks: Iterable[asyncio.Task[Any] | None]) -> None:
@@ -320,78 +90,6 @@ def _answered_ok(task: asyncio.Task[Any]) -> bool:
         return False
     res = task.result()
     return isinstance(res, UpstreamReply) and res.status == 200
-
-
-class _ClientGone(Exception):
-    """Writing to the client failed: it disconnected."""
-
-
-class _StreamRelay:
-    """Copies an upstream SSE response to the client chunk by chunk.
-
-    The client response is only prepared when the first upstream chunk is in hand, so that an
-    error that happens before anything was streamed (e.g. P fails while D waits for the KV) can
-    still be returned with its real HTTP status.
-    """
-
-    def __init__(self, request: web.Request, upstream: aiohttp.ClientResponse,
-                 backend: Backend, headers: dict[str, str],
-                 on_first: Callable[[], None] | None = None) -> None:
-        self.on_first = on_first
-        self.request = request
-        self.upstream = upstream
-        self.backend = backend
-        self.headers = headers
-        self.response: web.StreamResponse | None = None
-
-    async def _write(self, data: bytes) -> None:
-        assert self.response is not None
-        try:
-            await self.response.write(data)
-        except (ConnectionError, RuntimeError) as e:  # RuntimeError: "transport is closing"
-            raise _ClientGone(str(e)) from None
-
-    async def run(self) -> None:
-        up = self.upstream
-        try:
-            first = await up.content.readany()
-            if self.on_first is not None:
-                self.on_first()
-            self.response = web.StreamResponse(status=up.status, headers={
-                "Content-Type": up.headers.get("Content-Type", "text/event-stream"),
-                "Cache-Control": "no-cache", **self.headers})
-            try:
-                await self.response.prepare(self.request)
-            except (ConnectionError, RuntimeError) as e:
-                raise _ClientGone(str(e)) from None
-            if first:
-                await self._write(first)
-            # iter_any yields whatever has arrived, so each upstream chunk is forwarded (and
-            # written to the socket) as soon as it is read: no buffering that would skew TTFT.
-            async for chunk in up.content.iter_any():
-                await self._write(chunk)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            raise UpstreamError(self.backend, f"{self.backend} broke off its response "
-                                f"stream: {e!r}") from None
-        finally:
-            if up.content.is_eof():
-                up.release()  # connection back to the pool
-            else:
-                up.close()  # cut short (client gone, P failed): closing makes vLLM abort
-
-    async def finish_with_error(self, status: int, message: str, type_: str) -> None:
-        """End an already started stream with an SSE error event (what vLLM does itself)."""
-        assert self.response is not None
-        try:
-            await self.response.write(_sse_error(status, message, type_))
-            await self.response.write_eof()
-        except (ConnectionError, RuntimeError):
-            pass
-
-
-# ---------------------------------------------------------------------------------------------
-# The proxy
-# ---------------------------------------------------------------------------------------------
 
 
 class ProxyApp:
@@ -536,7 +234,7 @@ class ProxyApp:
                                     f"returned no model id: {text[:500]}") from None
             probe = {"model": model, "prompt": "ping", "max_tokens": 1, "temperature": 0,
                      "kv_transfer_params": {"layerkv_discover": True}}
-            async with self.session.post(backend.url + COMPLETIONS_PATH, data=_dumps(probe),
+            async with self.session.post(backend.url + COMPLETIONS_PATH, data=encode_json(probe),
                                          headers=headers, timeout=timeout) as r:
                 text = await r.text(errors="replace")
                 if r.status != 200:
@@ -561,7 +259,7 @@ class ProxyApp:
                 f"'{{\"kv_connector\": \"LayerKV\", \"kv_role\": \"kv_producer\"}}', or give the "
                 f"endpoint explicitly as {backend.url}#kv=HOST:PORT"))
         try:
-            host, port = _parse_hostport(endpoint, f"layerkv_endpoint from {backend.url}")
+            host, port = parse_hostport(endpoint, f"layerkv_endpoint from {backend.url}")
         except ValueError as e:
             raise UpstreamError(backend, str(e)) from None
         url_host = urlsplit(backend.url).hostname or host
@@ -676,18 +374,18 @@ class ProxyApp:
                 return e.response({"X-Request-Id": tid})
             if isinstance(res, UpstreamReply):
                 return res.response({"X-Request-Id": tid})
-            relay = _StreamRelay(request, res, p, {"X-Request-Id": tid})
+            relay = StreamRelay(request, res, p, {"X-Request-Id": tid})
             relay_task = asyncio.create_task(relay.run())
             return await self._await_relay(relay, relay_task, tid)
         finally:
             await _cancel_and_wait([task, relay_task])
 
-    async def _await_relay(self, relay: _StreamRelay, relay_task: asyncio.Task[None], tid: str
+    async def _await_relay(self, relay: StreamRelay, relay_task: asyncio.Task[None], tid: str
                            ) -> web.StreamResponse:
         """Outcome of a finished relay as the handler's return value."""
         try:
             await relay_task
-        except _ClientGone:
+        except ClientGone:
             logger.debug("request %s: client disconnected", tid)
         except UpstreamError as e:
             if relay.response is None:
@@ -715,9 +413,9 @@ class ProxyApp:
         self.tracer.event("proxy_in", transfer_id=tid)
         # Both in flight at once: D registers with P while P prefills (see module docstring).
         p_task = asyncio.create_task(self._send(
-            p, request.path, _dumps(prefill_body(body, tid, chat)), headers, False))
+            p, request.path, encode_json(prefill_body(body, tid, chat)), headers, False))
         d_task = asyncio.create_task(self._send(
-            d, request.path, _dumps(decode_body(body, tid, host, port)), headers, True))
+            d, request.path, encode_json(decode_body(body, tid, host, port)), headers, True))
         relay_task: asyncio.Task[None] | None = None
         keep_prefill = False  # True once D has succeeded: P may finish in the background
         try:
@@ -744,7 +442,7 @@ class ProxyApp:
 
             # Phase 2: D streams. Relay it while still watching P: if P fails, D would only
             # wait for KV that never comes, so the stream is ended with P's error.
-            relay = _StreamRelay(request, d_res, d, out_headers, on_first=(
+            relay = StreamRelay(request, d_res, d, out_headers, on_first=(
                 (lambda: self.tracer.event("proxy_d_first", transfer_id=tid))
                 if self.tracer.enabled else None))
             relay_task = asyncio.create_task(relay.run())

@@ -1,0 +1,58 @@
+"""OpenAI-compatible prefill/decode (P/D) proxy for LayerKV, built on aiohttp.
+
+Flow of one ``/v1/completions`` or ``/v1/chat/completions`` request::
+
+    client ──► proxy ──┬──► prefill P   body + max_tokens=1, stream=false,
+                       │                kv_transfer_params={do_remote_decode, transfer_id}
+                       └──► decode  D   body unchanged +
+                                        kv_transfer_params={do_remote_prefill, transfer_id,
+                                                            remote_host, remote_port}
+    client ◄── D's response (status, JSON body, or the SSE stream chunk by chunk)
+
+* P and D are picked round-robin, independently of each other (any xPyD layout).
+* Both upstream requests are sent **at the same time**. The LayerKV connector on D registers
+  with P's LayerKV endpoint (``remote_host:remote_port``) as soon as D has scheduled the request,
+  and P streams the KV layer group by layer group while it is still prefilling; waiting for P's
+  answer before sending D would serialise exactly what LayerKV overlaps.
+* ``transfer_id`` (a fresh uuid4 hex) is what P and D match the transfer on; it is also sent as
+  ``X-Request-Id`` to both so that the backends' logs line up.
+* If P fails, D's request is cancelled (closing its connection makes vLLM abort it) and P's
+  error goes to the client; if D fails, P is cancelled and D's error goes to the client. If the
+  client goes away, both upstream requests are cancelled.
+* Requests that need prompt logprobs (``prompt_logprobs``, or ``echo`` + ``logprobs`` on
+  ``/v1/completions``) cannot be served by D, which never computes the prompt's logits: they are
+  sent unchanged to a prefill instance alone (lm-eval's loglikelihood tasks rely on this).
+
+Discovery: the proxy learns each prefill instance's LayerKV endpoint by asking it. It fetches a
+model id from ``GET /v1/models`` and sends a 1-token completion with
+``kv_transfer_params={"layerkv_discover": true}``; the connector answers with
+``kv_transfer_params={"layerkv_endpoint": "HOST:PORT", ...}`` in the response. The endpoint can
+also be given explicitly as a URL fragment, ``http://p-host:8100#kv=HOST:PORT``.
+
+Modules: ``backends`` (URLs, round-robin), ``bodies`` (the client's body checked, P's and D's
+derived), ``errors`` (error answers), ``relay`` (D's stream to the client), ``app`` (start-up,
+handlers, the aiohttp application). See docs/proxy.md for usage.
+"""
+
+from vllm_layerkv.proxy.app import PROXY_KEY, ProxyApp, build_app, run_proxy
+from vllm_layerkv.proxy.backends import Backend, RoundRobin, parse_backend_url
+from vllm_layerkv.proxy.bodies import (
+    decode_body,
+    needs_prompt_logprobs,
+    parse_request_body,
+    prefill_body,
+)
+
+__all__ = [
+    "PROXY_KEY",
+    "Backend",
+    "ProxyApp",
+    "RoundRobin",
+    "build_app",
+    "decode_body",
+    "needs_prompt_logprobs",
+    "parse_backend_url",
+    "parse_request_body",
+    "prefill_body",
+    "run_proxy",
+]

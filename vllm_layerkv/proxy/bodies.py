@@ -1,0 +1,74 @@
+"""The request bodies: the client's, checked (400 with what to change), and the two the proxy
+derives from it, P's (prefill, one token, keep the KV for D) and D's (the client's request,
+plus where its KV comes from)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from vllm_layerkv.proxy.errors import BadRequest
+
+COMPLETIONS_PATH = "/v1/completions"
+CHAT_PATH = "/v1/chat/completions"
+
+
+def parse_request_body(raw: bytes, chat: bool) -> dict[str, Any]:
+    """Decode and minimally validate a completion/chat body; BadRequest says what to change."""
+    endpoint = CHAT_PATH if chat else COMPLETIONS_PATH
+    example = ('{"model": "...", "messages": [{"role": "user", "content": "Hi"}]}' if chat
+               else '{"model": "...", "prompt": "Hello"}')
+    if not raw.strip():
+        raise BadRequest(f"request body is empty; POST a JSON object to {endpoint}, e.g. {example}")
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise BadRequest(f"request body is not valid JSON ({e}); POST a JSON object to "
+                         f"{endpoint}, e.g. {example}") from None
+    if not isinstance(body, dict):
+        raise BadRequest(f"request body must be a JSON object, got a JSON {type(body).__name__}; "
+                         f"e.g. {example}")
+    if not isinstance(body.get("model"), str) or not body["model"]:
+        raise BadRequest("missing 'model': set it to the model name the backends serve "
+                         "(GET /v1/models lists it)")
+    if chat:
+        if not isinstance(body.get("messages"), list) or not body["messages"]:
+            raise BadRequest("missing 'messages': chat requests need a non-empty list of "
+                             "messages, e.g. [{\"role\": \"user\", \"content\": \"Hi\"}] "
+                             "(use /v1/completions for a plain 'prompt')")
+    elif body.get("prompt") is None:
+        raise BadRequest("missing 'prompt': completion requests need a 'prompt' (a string, a "
+                         "list of strings or of token ids); use /v1/chat/completions for "
+                         "'messages'")
+    return body
+
+
+def needs_prompt_logprobs(body: dict[str, Any], chat: bool) -> bool:
+    """True if the response must contain logprobs of the prompt, which only P computes."""
+    if body.get("prompt_logprobs") is not None:
+        return True
+    return (not chat) and bool(body.get("echo")) and body.get("logprobs") is not None
+
+
+def prefill_body(body: dict[str, Any], transfer_id: str, chat: bool) -> dict[str, Any]:
+    """The body sent to P: prefill the prompt, generate one token, keep the KV for D."""
+    p = dict(body)
+    p["max_tokens"] = 1
+    if chat and "max_completion_tokens" in p:
+        p["max_completion_tokens"] = 1
+    p["stream"] = False
+    # stream_options is rejected without stream=true; min_tokens > max_tokens is rejected;
+    # best_of >= n sampling is D's business (P makes exactly one sequence).
+    for key in ("stream_options", "min_tokens", "best_of"):
+        p.pop(key, None)
+    p["n"] = 1
+    p["kv_transfer_params"] = {"do_remote_decode": True, "transfer_id": transfer_id}
+    return p
+
+
+def decode_body(body: dict[str, Any], transfer_id: str, host: str, port: int) -> dict[str, Any]:
+    """The body sent to D: the client's request, plus where its KV comes from."""
+    d = dict(body)
+    d["kv_transfer_params"] = {"do_remote_prefill": True, "transfer_id": transfer_id,
+                               "remote_host": host, "remote_port": port}
+    return d

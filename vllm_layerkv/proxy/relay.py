@@ -1,0 +1,79 @@
+"""D's streamed answer, copied to the client chunk by chunk as it arrives."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Callable
+
+import aiohttp
+from aiohttp import web
+
+from vllm_layerkv.proxy.backends import Backend
+from vllm_layerkv.proxy.errors import UpstreamError, sse_error
+
+
+class ClientGone(Exception):
+    """Writing to the client failed: it disconnected."""
+
+
+class StreamRelay:
+    """Copies an upstream SSE response to the client chunk by chunk.
+
+    The client response is only prepared when the first upstream chunk is in hand, so that an
+    error that happens before anything was streamed (e.g. P fails while D waits for the KV) can
+    still be returned with its real HTTP status.
+    """
+
+    def __init__(self, request: web.Request, upstream: aiohttp.ClientResponse,
+                 backend: Backend, headers: dict[str, str],
+                 on_first: Callable[[], None] | None = None) -> None:
+        self.on_first = on_first
+        self.request = request
+        self.upstream = upstream
+        self.backend = backend
+        self.headers = headers
+        self.response: web.StreamResponse | None = None
+
+    async def _write(self, data: bytes) -> None:
+        assert self.response is not None
+        try:
+            await self.response.write(data)
+        except (ConnectionError, RuntimeError) as e:  # RuntimeError: "transport is closing"
+            raise ClientGone(str(e)) from None
+
+    async def run(self) -> None:
+        up = self.upstream
+        try:
+            first = await up.content.readany()
+            if self.on_first is not None:
+                self.on_first()
+            self.response = web.StreamResponse(status=up.status, headers={
+                "Content-Type": up.headers.get("Content-Type", "text/event-stream"),
+                "Cache-Control": "no-cache", **self.headers})
+            try:
+                await self.response.prepare(self.request)
+            except (ConnectionError, RuntimeError) as e:
+                raise ClientGone(str(e)) from None
+            if first:
+                await self._write(first)
+            # iter_any yields whatever has arrived, so each upstream chunk is forwarded (and
+            # written to the socket) as soon as it is read: no buffering that would skew TTFT.
+            async for chunk in up.content.iter_any():
+                await self._write(chunk)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise UpstreamError(self.backend, f"{self.backend} broke off its response "
+                                f"stream: {e!r}") from None
+        finally:
+            if up.content.is_eof():
+                up.release()  # connection back to the pool
+            else:
+                up.close()  # cut short (client gone, P failed): closing makes vLLM abort
+
+    async def finish_with_error(self, status: int, message: str, type_: str) -> None:
+        """End an already started stream with an SSE error event (what vLLM does itself)."""
+        assert self.response is not None
+        try:
+            await self.response.write(sse_error(status, message, type_))
+            await self.response.write_eof()
+        except (ConnectionError, RuntimeError):
+            pass
