@@ -15,6 +15,9 @@
 # of each run while the machine stays warm, so configurations can run in separate calls; each
 # call also packs $BENCH into $OUT/bench.tar.gz.
 set -uo pipefail
+# Everything this run starts inherits this tag; the clean-up at the end stops only processes
+# that carry it, never another run's (or a test cluster's) servers on the same machine.
+export LAYERKV_BENCH_TAG="gpu_bench.$$.$(date +%s%N)"
 # the working tree first: a later call on a warm machine runs the code it carried
 export PYTHONPATH=$PWD:$HOME/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 VLLM_HOST_IP=127.0.0.1
@@ -55,9 +58,13 @@ if [ ${#configs[@]} -gt 0 ]; then
   grep -E "^\[bench|median|identity|\||failed|Error" "$OUT/$RUN/bench.log" | grep -v "bench serve --backend" | tail -60
   cp -r "$OUT/$RUN" "$BENCH/"
 fi
-# never leave servers holding the GPUs for the next call (bracketed: do not match this shell)
-pkill -f "[v]llm.entrypoints.cli.main serve" 2>/dev/null; pkill -f "[v]llm_layerkv.cli proxy" 2>/dev/null
-pkill -f "[b]ench_serve.py --worker" 2>/dev/null
+# Never leave this run's servers holding the GPUs for the next call: they run in sessions of
+# their own, so a benchmark killed past its deadline leaves them up. Only processes that carry
+# this run's tag are stopped (a blanket pkill once took down a test cluster running beside it).
+for pid in $(pgrep -f "[v]llm.entrypoints.cli.main serve|[v]llm_layerkv.cli proxy|[b]ench_serve.py --worker"); do
+  tr '\0' '\n' < "/proc/$pid/environ" 2>/dev/null | grep -qx "LAYERKV_BENCH_TAG=$LAYERKV_BENCH_TAG" \
+    && kill "$pid" 2>/dev/null
+done
 tar -czf "$OUT/bench.tar.gz" -C "$BENCH" . 2>/dev/null
 cp "$OUT/$RUN/summary.json" "$OUT/summary_$RUN.json" 2>/dev/null
 ls -la "$OUT"

@@ -1,6 +1,8 @@
 """benchmarks/gpu_bench.sh: a benchmark stopped by its own deadline (BENCH_TIMEOUT) still gets
-its results packed, so a device call that runs long brings back what it measured. Runs the
-script with stand-ins for nvidia-smi and python3 (a benchmark that never ends)."""
+its results packed, so a device call that runs long brings back what it measured, and the
+servers it left behind are stopped, but no one else's. Runs the script with stand-ins for
+nvidia-smi and python3 (a benchmark that starts a "server" in a session of its own, as vLLM
+servers are started, and never ends)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,17 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+# a process whose command line looks like a vLLM server's to pgrep -f
+SERVER = "bash -c 'exec -a \"python3 -m vllm.entrypoints.cli.main serve stand-in\" sleep 600'"
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie (exited, not yet reaped by its parent) is gone too
+    return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
 
 
 @pytest.fixture
@@ -21,8 +34,11 @@ def fake_bin(tmp_path: Path) -> Path:
     bin_dir.mkdir()
     scripts = {
         "nvidia-smi": 'if [ "$1" = -L ]; then echo "GPU 0: fake"; else echo "fake, 1 MiB"; fi',
-        # the benchmark: leaves a partial result, then runs until it is stopped
-        "python3": 'echo partial > "$OUT/$RUN/summary.json"; exec sleep 600',
+        # the benchmark: leaves a partial result and a server, then runs until it is stopped
+        "python3": 'echo partial > "$OUT/$RUN/summary.json"\n'
+                   f'setsid {SERVER} > /dev/null 2>&1 &\n'
+                   'echo $! > "$OUT/server.pid"\n'
+                   'exec sleep 600',
     }
     for name, body in scripts.items():
         (bin_dir / name).write_text("#!/bin/bash\n" + body + "\n")
@@ -35,10 +51,23 @@ def test_a_benchmark_past_its_deadline_is_stopped_and_still_packed(tmp_path: Pat
     out, bench = tmp_path / "out", tmp_path / "bench"
     env = {**os.environ, "PATH": f"{fake_bin}:{os.environ['PATH']}", "OUT": str(out),
            "BENCH": str(bench), "RUN": "r1", "BENCH_TIMEOUT": "2", "MODEL": "/nonexistent"}
-    started = time.monotonic()
-    r = subprocess.run(["bash", "benchmarks/gpu_bench.sh", "single", "--", "--prompt-lens", "1"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
-    assert time.monotonic() - started < 30, "the deadline did not stop the benchmark"
+    # someone else's server on the same machine (another run, a test cluster)
+    outsider = subprocess.Popen(["bash", "-c", SERVER.split(" ", 2)[2].strip("'")],
+                                start_new_session=True)
+    try:
+        started = time.monotonic()
+        r = subprocess.run(["bash", "benchmarks/gpu_bench.sh", "single", "--", "--prompt-lens",
+                            "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+        assert time.monotonic() - started < 30, "the deadline did not stop the benchmark"
+        deadline = time.monotonic() + 5
+        ours = int((out / "server.pid").read_text())
+        while alive(ours) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(ours), "the benchmark's server was left running"
+        assert alive(outsider.pid), "the clean-up stopped a server it had not started"
+    finally:
+        outsider.kill()
+        outsider.wait()
     assert "ttft_bench exit 124" in r.stdout, r.stdout + r.stderr
     assert (out / "summary_r1.json").read_text() == "partial\n"
     with tarfile.open(out / "bench.tar.gz") as tar:
