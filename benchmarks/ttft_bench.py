@@ -56,7 +56,7 @@ import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -394,6 +394,107 @@ def summarize(result: dict[str, Any]) -> dict[str, float]:
     return {k: result[k] for k in keys if k in result}
 
 
+class IdentityCheck:
+    """Greedy token identity: the single instance against itself, then every P/D configuration
+    against the single instance's ids (kept in ``ref_path`` for runs without ``single``)."""
+
+    def __init__(self, n: int, args: argparse.Namespace, ref_path: Path) -> None:
+        self.prompts = identity_prompts(n, args.model, args.max_model_len) if n else []
+        self.results: dict[str, int] = {"prompts": len(self.prompts)} if self.prompts else {}
+        self.ref_path = ref_path
+        self.reference: list[list[int]] | None = None
+        if self.prompts and "single" not in args.configs and ref_path.exists():
+            stored = json.loads(ref_path.read_text())
+            if stored["prompts"] == self.prompts:  # same seed, same model vocabulary
+                self.reference = stored["ids"]
+
+    def check(self, config: Config, url: str) -> bool:
+        """Records how many prompts match; False if a P/D configuration differs."""
+        if not self.prompts:
+            return True
+        ids = greedy_ids(url, self.prompts, 16)
+        if config.family == "single":
+            again = greedy_ids(url, self.prompts, 16)
+            self.results["single_vs_single"] = sum(a == b for a, b in zip(ids, again))
+            self.reference = ids
+            self.ref_path.parent.mkdir(parents=True, exist_ok=True)
+            self.ref_path.write_text(json.dumps({"prompts": self.prompts, "ids": ids}))
+            return True
+        if self.reference is None:
+            return True  # no reference to compare with (said in the summary: no entry)
+        same = sum(a == b for a, b in zip(ids, self.reference))
+        self.results[f"{config.name}_vs_single"] = same
+        return same == len(self.prompts)
+
+
+def measure(config: Config, url: str, args: argparse.Namespace, runner: BenchServe,
+            identity: IdentityCheck, res: dict[str, Any], save: Callable[[], None]) -> bool:
+    """Everything measured of one running configuration, into ``res`` (saved after each
+    point); False if its greedy outputs differ from the single instance's."""
+    name = config.name
+    res["cold_start"] = cold_start(url, args.model,
+                                   min(args.prompt_lens[0], args.max_model_len - 64))
+    log(f"{name}: first request TTFT {res['cold_start']['cold_ttft_ms']:.1f} ms, "
+        f"second {res['cold_start']['warm_ttft_ms']:.1f} ms")
+    save()
+    same = identity.check(config, url)
+    save()
+    warm_up(url, args.model, sorted({min(n, args.max_model_len - 64) for n in args.prompt_lens}))
+    for n in args.prompt_lens:
+        r = bench(runner, url, args, args.out, f"{name}_c1_in{n}", n, args.output_len,
+                  args.num_prompts, 1)
+        res[f"c1_in{n}"] = summarize(r)
+        log(f"{name} in={n}: median TTFT {r['median_ttft_ms']:.1f} ms")
+        save()
+    for spec in args.load:
+        c, i, o, k = (int(x) for x in spec.split(":"))
+        r = bench(runner, url, args, args.out, f"{name}_c{c}_in{i}_out{o}", i, o, k, c)
+        res[f"c{c}_in{i}_out{o}"] = summarize(r)
+        save()
+        log(f"{name} load c={c}: mean TTFT {r['mean_ttft_ms']:.1f} ms, "
+            f"mean TPOT {r['mean_tpot_ms']:.2f} ms")
+    return same
+
+
+def run_config(config: Config, args: argparse.Namespace, runner: BenchServe,
+               identity: IdentityCheck, res: dict[str, Any], save: Callable[[], None]) -> bool:
+    """Start one configuration, measure it, stop it, then read what its logs and traces say.
+    Raises if it cannot start (nothing is left running then); False if a measurement failed
+    (recorded in ``res["error"]``) or its outputs differ."""
+    name = config.name
+    log(f"=== {name}: starting")
+    t0 = time.monotonic()
+    deployment = deploy(config, args, args.out)
+    url, procs = bring_up(deployment, config, args)
+    res["start_s"] = round(time.monotonic() - t0, 1)
+    ok = True
+    try:
+        ok = measure(config, url, args, runner, identity, res, save)
+        if config.family in LAYERKV_CONFIGS:
+            res["counters"] = transfer_counters(deployment.servers[0], config.p_tp)
+            log(f"{name}: P counters {res['counters']}")
+    except Exception as e:  # keep what was measured; record the failure
+        res["error"] = str(e)[-2000:]
+        ok = False
+        log(f"{name} failed: {e}")
+    finally:
+        for p in procs:
+            p.stop()
+        stop_all(deployment.servers)
+    if config.family in LAYERKV_CONFIGS:
+        res["transport_used"] = layerkv_transport_used(args.out / name / "prefill.log")
+        log(f"{name}: P used {res['transport_used']}")
+        if args.trace:
+            rows = profile_trace.request_breakdowns(args.out / name)
+            if rows:
+                medians = profile_trace.medians_by_length(rows)
+                res["profile"] = medians
+                (args.out / f"{name}_profile.json").write_text(
+                    json.dumps({"medians": medians, "requests": rows}, indent=1))
+                log(f"{name} TTFT profile (median ms):\n" + profile_trace.format_table(medians))
+    return ok
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -439,94 +540,30 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
 
     summary: dict[str, Any] = {"command": " ".join(sys.argv), "device": args.device,
-                               "model": args.model, "results": {}, "identity": {}}
-    prompts = (identity_prompts(args.identity, args.model, args.max_model_len)
-               if args.identity else [])
-    if prompts:
-        summary["identity"]["prompts"] = len(prompts)
-    ref_path = args.identity_ref or args.out / "identity_single.json"
-    reference: list[list[int]] | None = None
-    if prompts and "single" not in args.configs and ref_path.exists():
-        stored = json.loads(ref_path.read_text())
-        if stored["prompts"] == prompts:  # same seed, same model vocabulary
-            reference = stored["ids"]
+                               "model": args.model, "results": {}}
+    configs = [parse_config(name) for name in args.configs]  # all names checked up front
+    identity = IdentityCheck(args.identity, args,
+                             args.identity_ref or args.out / "identity_single.json")
+    summary["identity"] = identity.results
+
     def save() -> None:
         """After every measurement: a run cut by a time limit keeps what it measured."""
         (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
 
     ok = True
-    configs = [parse_config(name) for name in args.configs]  # all names checked up front
     # vllm bench serve's import runs in its worker while the first servers start (bench_serve.py)
     runner = BenchServe(args.out / "bench_serve_worker.log")
     runner.start()
     try:
         for config in configs:
-            name = config.name
-            log(f"=== {name}: starting")
-            t0 = time.monotonic()
-            deployment = deploy(config, args, args.out)
-            servers = deployment.servers
-            url, procs = bring_up(deployment, config, args)
-            res: dict[str, Any] = {"start_s": round(time.monotonic() - t0, 1)}
-            summary["results"][name] = res
+            res: dict[str, Any] = {}
+            summary["results"][config.name] = res
             try:
-                res["cold_start"] = cold_start(url, args.model,
-                                               min(args.prompt_lens[0], args.max_model_len - 64))
-                log(f"{name}: first request TTFT {res['cold_start']['cold_ttft_ms']:.1f} ms, "
-                    f"second {res['cold_start']['warm_ttft_ms']:.1f} ms")
-                save()
-                if prompts:
-                    ids = greedy_ids(url, prompts, 16)
-                    if config.family == "single":
-                        again = greedy_ids(url, prompts, 16)
-                        summary["identity"]["single_vs_single"] = sum(a == b for a, b in
-                                                                      zip(ids, again))
-                        reference = ids
-                        ref_path.parent.mkdir(parents=True, exist_ok=True)
-                        ref_path.write_text(json.dumps({"prompts": prompts, "ids": ids}))
-                    elif reference is not None:
-                        same = sum(a == b for a, b in zip(ids, reference))
-                        summary["identity"][f"{name}_vs_single"] = same
-                        ok &= same == len(prompts)
-                    save()
-                warm_up(url, args.model, sorted({min(n, args.max_model_len - 64)
-                                                 for n in args.prompt_lens}))
-                for n in args.prompt_lens:
-                    r = bench(runner, url, args, args.out, f"{name}_c1_in{n}", n, args.output_len,
-                              args.num_prompts, 1)
-                    res[f"c1_in{n}"] = summarize(r)
-                    log(f"{name} in={n}: median TTFT {r['median_ttft_ms']:.1f} ms")
-                    save()
-                for spec in args.load:
-                    c, i, o, k = (int(x) for x in spec.split(":"))
-                    r = bench(runner, url, args, args.out, f"{name}_c{c}_in{i}_out{o}", i, o, k, c)
-                    res[f"c{c}_in{i}_out{o}"] = summarize(r)
-                    save()
-                    log(f"{name} load c={c}: mean TTFT {r['mean_ttft_ms']:.1f} ms, "
-                        f"mean TPOT {r['mean_tpot_ms']:.2f} ms")
-                if config.family in LAYERKV_CONFIGS:
-                    res["counters"] = transfer_counters(servers[0], config.p_tp)
-                    log(f"{name}: P counters {res['counters']}")
-            except Exception as e:  # keep what was measured; record the failure
-                res["error"] = str(e)[-2000:]
+                ok &= run_config(config, args, runner, identity, res, save)
+            except Exception as e:  # did not start: recorded, and the next configuration runs
+                res["error"] = f"did not start: {str(e)[-2000:]}"
                 ok = False
-                log(f"{name} failed: {e}")
-            finally:
-                for p in procs:
-                    p.stop()
-                stop_all(servers)
-            if config.family in LAYERKV_CONFIGS:
-                res["transport_used"] = layerkv_transport_used(args.out / name / "prefill.log")
-                log(f"{name}: P used {res['transport_used']}")
-                if args.trace:
-                    rows = profile_trace.request_breakdowns(args.out / name)
-                    if rows:
-                        medians = profile_trace.medians_by_length(rows)
-                        res["profile"] = medians
-                        (args.out / f"{name}_profile.json").write_text(
-                            json.dumps({"medians": medians, "requests": rows}, indent=1))
-                        log(f"{name} TTFT profile (median ms):\n"
-                            + profile_trace.format_table(medians))
+                log(f"{config.name} did not start: {str(e)[-2000:]}")
             save()
     finally:
         runner.close()

@@ -99,3 +99,46 @@ def test_a_proxy_that_fails_to_start_takes_its_servers_down(tmp_path) -> None:
     with pytest.raises(ServerError, match="exited with 3"):
         ttft_bench.bring_up(deployment, ttft_bench.parse_config("layerkv"), args)
     assert p.stopped and d.stopped
+
+
+def test_a_configuration_that_does_not_start_is_recorded_and_the_next_one_runs(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lent GPU's call is short: one configuration failing to start must not cost the others."""
+    import json
+    import sys
+
+    from vllm_layerkv.testing.servers import ServerError
+
+    class NoWorker:
+        def __init__(self, *args) -> None:
+            pass
+
+        def start(self) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    def bring_up(deployment, config, args):
+        if config.name == "single":
+            raise ServerError("single exited with rc=1 during start-up")
+        return "http://127.0.0.1:1", []
+
+    def measure(config, url, args, runner, identity, res, save):
+        res["measured_at"] = url
+        return True
+
+    monkeypatch.setattr(ttft_bench, "BenchServe", NoWorker)
+    monkeypatch.setattr(ttft_bench, "deploy", lambda *a: ttft_bench.Deployment([FakeServer()]))
+    monkeypatch.setattr(ttft_bench, "bring_up", bring_up)
+    monkeypatch.setattr(ttft_bench, "measure", measure)
+    monkeypatch.setattr(ttft_bench, "transfer_counters", lambda *a: {})
+    out = tmp_path / "out"
+    monkeypatch.setattr(sys, "argv", ["ttft_bench.py", "--device", "cpu", "--model", "m",
+                                      "--configs", "single", "layerkv", "--out", str(out)])
+    assert ttft_bench.main() == 1
+    results = json.loads((out / "summary.json").read_text())["results"]
+    assert results["single"]["error"] == ("did not start: single exited with rc=1 during "
+                                          "start-up")
+    assert results["layerkv"]["measured_at"] == "http://127.0.0.1:1"
+    assert "error" not in results["layerkv"]
