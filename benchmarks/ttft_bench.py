@@ -542,6 +542,9 @@ def main() -> int:
     summary: dict[str, Any] = {"command": " ".join(sys.argv), "device": args.device,
                                "model": args.model, "results": {}}
     configs = [parse_config(name) for name in args.configs]  # all names checked up front
+    if args.device == "cuda":  # and every placement: a TP the machine cannot hold fails now
+        for c in configs:
+            placement("prefill", c.p_tp, c.d_tp, args.num_gpus)
     identity = IdentityCheck(args.identity, args,
                              args.identity_ref or args.out / "identity_single.json")
     summary["identity"] = identity.results

@@ -142,3 +142,29 @@ def test_a_configuration_that_does_not_start_is_recorded_and_the_next_one_runs(
                                           "start-up")
     assert results["layerkv"]["measured_at"] == "http://127.0.0.1:1"
     assert "error" not in results["layerkv"]
+
+
+def test_a_placement_the_machine_cannot_hold_fails_before_anything_starts(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    started = []
+
+    class Worker:
+        def __init__(self, *args) -> None:
+            pass
+
+        def start(self) -> None:
+            started.append("worker")
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(ttft_bench, "BenchServe", Worker)
+    monkeypatch.setattr(ttft_bench, "deploy", lambda *a: started.append("deploy"))
+    monkeypatch.setattr(sys, "argv", ["ttft_bench.py", "--device", "cuda", "--model", "m",
+                                      "--num-gpus", "1", "--configs", "single",
+                                      "layerkv-tp2-tp1", "--out", str(tmp_path / "out")])
+    with pytest.raises(SystemExit, match="TP 2 needs 2 GPUs"):
+        ttft_bench.main()
+    assert started == []
