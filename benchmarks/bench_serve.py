@@ -49,7 +49,8 @@ class BenchServe:
         """Start the worker if none is running; returns at once (the import runs meanwhile)."""
         if self._proc is not None and self._proc.poll() is None:
             return
-        self._log = open(self._log_path, "a")
+        if self._log is None:  # one handle for every worker this runner starts
+            self._log = open(self._log_path, "a")
         self._proc = subprocess.Popen(
             [sys.executable, str(Path(__file__).resolve()), "--worker", self._module],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,

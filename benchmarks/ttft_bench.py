@@ -388,6 +388,17 @@ def transfer_counters(prefill: VllmServer, p_tp: int) -> dict[str, float]:
     return out
 
 
+def load_point(spec: str) -> tuple[int, int, int, int]:
+    """``--load C:IN:OUT:N`` -> (concurrency, input len, output len, requests), all >= 1."""
+    parts = spec.split(":")
+    if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(
+            f"--load {spec!r}: expected C:IN:OUT:N, four positive integers (concurrency, input "
+            f"tokens, output tokens, requests), e.g. 16:4096:128:200")
+    c, i, o, n = (int(p) for p in parts)
+    return c, i, o, n
+
+
 def summarize(result: dict[str, Any]) -> dict[str, float]:
     keys = ("median_ttft_ms", "mean_ttft_ms", "p90_ttft_ms", "median_tpot_ms", "mean_tpot_ms",
             "median_e2el_ms", "completed", "failed", "request_throughput")
@@ -446,8 +457,7 @@ def measure(config: Config, url: str, args: argparse.Namespace, runner: BenchSer
         res[f"c1_in{n}"] = summarize(r)
         log(f"{name} in={n}: median TTFT {r['median_ttft_ms']:.1f} ms")
         save()
-    for spec in args.load:
-        c, i, o, k = (int(x) for x in spec.split(":"))
+    for c, i, o, k in args.load:
         r = bench(runner, url, args, args.out, f"{name}_c{c}_in{i}_out{o}", i, o, k, c)
         res[f"c{c}_in{i}_out{o}"] = summarize(r)
         save()
@@ -508,7 +518,7 @@ def main() -> int:
     ap.add_argument("--prompt-lens", type=int, nargs="+", default=[1024, 4096, 8192, 16000])
     ap.add_argument("--num-prompts", type=int, default=10)
     ap.add_argument("--output-len", type=int, default=8)
-    ap.add_argument("--load", action="append", default=[], metavar="C:IN:OUT:N",
+    ap.add_argument("--load", action="append", default=[], metavar="C:IN:OUT:N", type=load_point,
                     help="a load point: concurrency, input len, output len, requests")
     ap.add_argument("--identity", type=int, default=0, metavar="N",
                     help="greedy token-identity check with N prompts")

@@ -168,3 +168,15 @@ def test_a_placement_the_machine_cannot_hold_fails_before_anything_starts(
     with pytest.raises(SystemExit, match="TP 2 needs 2 GPUs"):
         ttft_bench.main()
     assert started == []
+
+
+def test_a_malformed_load_point_is_refused_before_anything_starts(
+        tmp_path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    assert ttft_bench.load_point("16:4096:128:200") == (16, 4096, 128, 200)
+    monkeypatch.setattr(sys, "argv", ["ttft_bench.py", "--model", "m", "--load", "16:4096",
+                                      "--out", str(tmp_path / "out")])
+    with pytest.raises(SystemExit):
+        ttft_bench.main()
+    assert "expected C:IN:OUT:N, four positive integers" in capsys.readouterr().err
