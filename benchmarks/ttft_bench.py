@@ -60,7 +60,8 @@ from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-import profile_trace  # noqa: E402  (benchmarks/profile_trace.py, beside this script)
+import itl_timeline  # noqa: E402  (benchmarks/itl_timeline.py, beside this script)
+import profile_trace  # noqa: E402  (benchmarks/profile_trace.py)
 from bench_serve import BenchServe  # noqa: E402  (benchmarks/bench_serve.py)
 from vllm_layerkv.testing.servers import (  # noqa: E402
     HelperProcess,
@@ -297,7 +298,8 @@ def bench(runner: BenchServe, url: str, args: argparse.Namespace, out: Path, tag
             "--max-concurrency", str(concurrency), "--ignore-eos", "--seed", str(seed),
             "--ready-check-timeout-sec", "0",
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
-            "--save-result", "--result-dir", str(out), "--result-filename", fname]
+            "--save-result", "--save-detailed",  # per-token times: itl_timeline.py
+            "--result-dir", str(out), "--result-filename", fname]
     log("vllm bench serve " + " ".join(argv))
     try:
         runner.run(argv, out / f"{tag}.stdout", timeout=args.bench_timeout)
@@ -399,10 +401,15 @@ def load_point(spec: str) -> tuple[int, int, int, int]:
     return c, i, o, n
 
 
-def summarize(result: dict[str, Any]) -> dict[str, float]:
+def summarize(result: dict[str, Any]) -> dict[str, Any]:
+    """The headline numbers of one point, and its decode steps split into those that took a
+    new request in and the rest (``itl_timeline.split``)."""
     keys = ("median_ttft_ms", "mean_ttft_ms", "p90_ttft_ms", "median_tpot_ms", "mean_tpot_ms",
             "median_e2el_ms", "completed", "failed", "request_throughput")
-    return {k: result[k] for k in keys if k in result}
+    out: dict[str, Any] = {k: result[k] for k in keys if k in result}
+    if "itls" in result:
+        out["steps"] = itl_timeline.split(result)
+    return out
 
 
 class IdentityCheck:
@@ -463,6 +470,10 @@ def measure(config: Config, url: str, args: argparse.Namespace, runner: BenchSer
         save()
         log(f"{name} load c={c}: mean TTFT {r['mean_ttft_ms']:.1f} ms, "
             f"mean TPOT {r['mean_tpot_ms']:.2f} ms")
+        if (steps := res[f"c{c}_in{i}_out{o}"].get("steps")) and steps["gaps"]:
+            log(f"{name} load c={c} decode steps (client side): median "
+                f"{steps['median_steady_itl_ms']} ms steady, {steps['median_join_itl_ms']} ms "
+                f"when a request joined ({steps['join_fraction']:.0%} of gaps)")
     return same
 
 

@@ -37,6 +37,8 @@ def test_ttft_bench_cpu_smoke(tmp_path: Path) -> None:
         res = summary["results"][config]["c1_in512"]
         assert res["completed"] == 2 and res["failed"] == 0
         assert res["median_ttft_ms"] > 0
+        # per-token times kept (--save-detailed): 2 requests x 7 gaps, one request at a time
+        assert res["steps"]["gaps"] == 14 and res["steps"]["join_fraction"] == 0, res
         cold = summary["results"][config]["cold_start"]  # the first request and a second
         assert cold["prompt_len"] == 512 and cold["cold_ttft_ms"] > 0 < cold["warm_ttft_ms"]
     # the result files vllm bench serve saved are there for the table / plots

@@ -1,0 +1,165 @@
+"""Decode steps as the client saw them, from a ``vllm bench serve --save-detailed`` result.
+
+Why: in the one 2 x H200 load run (c=16, 4K in / 128 out, eager), LayerKV's decode instance
+produced tokens every 22.4 ms against NixlConnector's 17.2 ms, and the server-side traces could
+not say why (benchmarks/results/2026-11-23-h200x2). This reads what the client recorded, the
+same way for every configuration, so NixlConnector's D is measured exactly like LayerKV's.
+
+A detailed result has, per request, when it was sent (``start_times``), its TTFT and the gaps
+between its later tokens (``itls``), hence the arrival time of every token. Every running
+request gets one token per decode step, so each gap is (about) one engine step. A gap during
+which *another* request received its first token is a **join** gap: that step took a new
+request into the batch. On a P/D decode instance a join step computes the new request's last
+prompt token (its KV came from P) and does whatever the connector adds to that step; on a
+single instance it also runs the new request's prefill. The rest are **steady** gaps: decode
+only. If a configuration's decode is slow only in join steps, its cost is in taking requests
+in; if steady steps are slow too, it is in every step.
+
+Usage:
+    python benchmarks/itl_timeline.py RESULT.json [RESULT.json ...] [--window 1.0]
+        [--plot itl_timeline.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+JOIN_SLACK = 0.5
+"""A first token counts as part of a gap that ends up to this fraction of the median gap before
+it. The tokens of one engine step reach the client over separate streams, one after another:
+on the GPU hosts a fraction of a millisecond apart, on a busy 2-core CPU host up to ~3 ms (seen
+with 8 ms steps). Half a step attributes each first token to the step that produced it."""
+
+
+class NotDetailed(ValueError):
+    """The result has no per-token times (run ``vllm bench serve`` with ``--save-detailed``)."""
+
+
+def token_times(result: dict[str, Any]) -> list[list[float]]:
+    """Per successful request, the client-side arrival time (s) of each of its tokens."""
+    missing = [k for k in ("start_times", "ttfts", "itls") if k not in result]
+    if missing:
+        raise NotDetailed(f"the result has no {', '.join(missing)}: run vllm bench serve "
+                          "with --save-detailed")
+    requests = []
+    for start, ttft, itls in zip(result["start_times"], result["ttfts"], result["itls"]):
+        if not ttft:  # a failed request: no tokens
+            continue
+        t = start + ttft
+        times = [t]
+        for gap in itls:
+            t += gap
+            times.append(t)
+        requests.append(times)
+    return requests
+
+
+def gaps(requests: list[list[float]], slack: float = JOIN_SLACK
+         ) -> list[tuple[float, float, bool]]:
+    """Every gap between two tokens of one request: (end time, length s, join?). A gap (a, b]
+    is a join gap if another request's first token arrived in (a + s, b + s], s being ``slack``
+    times the median gap (see the module docstring and JOIN_SLACK)."""
+    pairs = [(a, b) for times in requests for a, b in zip(times, times[1:])]
+    if not pairs:
+        return []
+    s = slack * statistics.median(b - a for a, b in pairs)
+    firsts = sorted(times[0] for times in requests)
+    out = []
+    for a, b in pairs:
+        # this request's own first token is at a: never inside its own gaps
+        i = bisect.bisect_right(firsts, a + s)
+        out.append((b, b - a, i < len(firsts) and firsts[i] <= b + s))
+    return out
+
+
+def _median_ms(values: list[float]) -> float | None:
+    return round(statistics.median(values) * 1e3, 2) if values else None
+
+
+def split(result: dict[str, Any], slack: float = JOIN_SLACK) -> dict[str, Any]:
+    """Median gap overall, in join steps and in steady (decode-only) steps."""
+    g = gaps(token_times(result), slack)
+    join = [length for _, length, j in g if j]
+    steady = [length for _, length, j in g if not j]
+    return {
+        "gaps": len(g),
+        "join_fraction": round(len(join) / len(g), 3) if g else None,
+        "median_itl_ms": _median_ms([length for _, length, _ in g]),
+        "median_join_itl_ms": _median_ms(join),
+        "median_steady_itl_ms": _median_ms(steady),
+        "mean_steady_itl_ms": round(statistics.fmean(steady) * 1e3, 2) if steady else None,
+    }
+
+
+def timeline(result: dict[str, Any], window_s: float = 1.0,
+             slack: float = JOIN_SLACK) -> list[dict[str, Any]]:
+    """Per window of the run (by gap end time, from the first token on): median steady gap,
+    median join gap, and how many requests joined."""
+    requests = token_times(result)
+    if not requests:
+        return []
+    t0 = min(times[0] for times in requests)
+    buckets: dict[int, tuple[list[float], list[float]]] = {}
+    for end, length, join in gaps(requests, slack):
+        steady, joins = buckets.setdefault(int((end - t0) // window_s), ([], []))
+        (joins if join else steady).append(length)
+    firsts: dict[int, int] = {}
+    for times in requests:
+        k = int((times[0] - t0) // window_s)
+        firsts[k] = firsts.get(k, 0) + 1
+    return [{"t_s": round(k * window_s, 3), "median_steady_itl_ms": _median_ms(steady),
+             "median_join_itl_ms": _median_ms(joins), "joined": firsts.get(k, 0)}
+            for k, (steady, joins) in sorted(buckets.items())]
+
+
+def plot(timelines: dict[str, list[dict[str, Any]]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for name, rows in timelines.items():
+        xs = [r["t_s"] for r in rows if r["median_steady_itl_ms"] is not None]
+        ys = [r["median_steady_itl_ms"] for r in rows if r["median_steady_itl_ms"] is not None]
+        ax.plot(xs, ys, marker=".", label=f"{name} (steady steps)")
+    ax.set_xlabel("time since the first token (s)")
+    ax.set_ylabel("median gap between tokens (ms)")
+    ax.set_title("Decode step length seen by the client")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("results", nargs="+", type=Path)
+    ap.add_argument("--window", type=float, default=1.0, help="timeline window (s)")
+    ap.add_argument("--plot", type=Path, help="write the timeline plot here (needs matplotlib)")
+    args = ap.parse_args()
+    if args.window <= 0:
+        ap.error("--window must be > 0 seconds")
+    timelines = {}
+    print("| result | gaps | join fraction | median ITL | join steps | steady steps |")
+    print("|---|---|---|---|---|---|")
+    for path in args.results:
+        result = json.loads(path.read_text())
+        try:
+            s = split(result)
+        except NotDetailed as e:
+            raise SystemExit(f"{path}: {e}") from None
+        print(f"| {path.stem} | {s['gaps']} | {s['join_fraction']} | {s['median_itl_ms']} | "
+              f"{s['median_join_itl_ms']} | {s['median_steady_itl_ms']} |")
+        timelines[path.stem] = timeline(result, args.window)
+    if args.plot:
+        plot(timelines, args.plot)
+
+
+if __name__ == "__main__":
+    main()

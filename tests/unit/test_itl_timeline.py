@@ -1,0 +1,87 @@
+"""benchmarks/itl_timeline.py: join and steady decode steps told apart from the per-token times
+of a ``vllm bench serve --save-detailed`` result, on a simulated engine with known step times."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmark_scripts import BENCHMARKS, load
+
+itl_timeline = load("itl_timeline")
+
+STEADY_S, JOIN_S = 0.010, 0.030
+
+
+def simulated_result(joins: dict[int, int], tokens: int, steps: int) -> dict:
+    """An engine whose decode steps take STEADY_S, and JOIN_S when a request joins the batch.
+    ``joins``: request index -> the step whose output is its first token. Each request gets a
+    token from every step after that, until it has ``tokens``. Arrivals at the client are a
+    few tenths of a millisecond apart within one step (separate streams)."""
+    ends, t = [], 100.0
+    for step in range(steps):
+        t += JOIN_S if step in joins.values() else STEADY_S
+        ends.append(t)
+    result: dict = {"start_times": [], "ttfts": [], "itls": []}
+    for i, first in sorted(joins.items()):
+        jitter = 0.0002 * i
+        times = [ends[s] + jitter for s in range(first, min(steps, first + tokens))]
+        start = times[0] - 0.5
+        result["start_times"].append(start)
+        result["ttfts"].append(times[0] - start)
+        result["itls"].append([b - a for a, b in zip(times, times[1:])])
+    return result
+
+
+def test_join_steps_and_steady_steps_are_told_apart() -> None:
+    # four requests in the first step, two joining later (steps 5 and 9)
+    result = simulated_result({0: 0, 1: 0, 2: 0, 3: 0, 4: 5, 5: 9}, tokens=12, steps=25)
+    s = itl_timeline.split(result)
+    assert s["median_join_itl_ms"] == pytest.approx(JOIN_S * 1e3, abs=0.5)
+    assert s["median_steady_itl_ms"] == pytest.approx(STEADY_S * 1e3, abs=0.5)
+    # the step-5 join is a gap for requests 0-3, the step-9 one for requests 0-4
+    assert round(s["join_fraction"] * s["gaps"]) == 4 + 5
+    assert s["gaps"] == 4 * 11 + 11 + 11
+
+
+def test_a_request_s_own_first_token_does_not_make_its_next_gap_a_join() -> None:
+    # one request alone: no one else ever joins its steps
+    s = itl_timeline.split(simulated_result({0: 0}, tokens=8, steps=8))
+    assert s["join_fraction"] == 0 and s["median_join_itl_ms"] is None
+    assert s["median_steady_itl_ms"] == pytest.approx(STEADY_S * 1e3, abs=0.5)
+
+
+def test_failed_requests_are_skipped_and_the_timeline_counts_joins_per_window() -> None:
+    result = simulated_result({0: 0, 1: 0, 2: 40}, tokens=60, steps=80)
+    result["start_times"].append(0.0)
+    result["ttfts"].append(0.0)  # what vllm bench serve records for a failed request
+    result["itls"].append([])
+    rows = itl_timeline.timeline(result, window_s=0.25)
+    assert sum(r["joined"] for r in rows) == 3
+    assert [r["joined"] for r in rows if r["joined"]] == [2, 1]
+    joined_later = next(r for r in rows if r["t_s"] > 0 and r["joined"])
+    assert joined_later["median_join_itl_ms"] == pytest.approx(JOIN_S * 1e3, abs=0.5)
+
+
+def test_a_result_without_per_token_times_says_how_to_get_them(tmp_path: Path) -> None:
+    with pytest.raises(itl_timeline.NotDetailed, match="--save-detailed"):
+        itl_timeline.split({"ttfts": [0.1]})
+    path = tmp_path / "plain.json"
+    path.write_text(json.dumps({"mean_tpot_ms": 17.2}))
+    r = subprocess.run([sys.executable, str(BENCHMARKS / "itl_timeline.py"), str(path)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "--save-detailed" in r.stderr, r.stderr
+
+
+def test_the_command_prints_one_row_per_result(tmp_path: Path) -> None:
+    path = tmp_path / "layerkv_c16_in4096_out128.json"
+    path.write_text(json.dumps(simulated_result({0: 0, 1: 0, 2: 5}, tokens=10, steps=20)))
+    r = subprocess.run([sys.executable, str(BENCHMARKS / "itl_timeline.py"), str(path)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    row = r.stdout.strip().splitlines()[-1]
+    assert row.startswith("| layerkv_c16_in4096_out128 |") and "| 30.0 | 10.0 |" in row, r.stdout
