@@ -48,6 +48,18 @@ if [ $tptest = 1 ]; then
     > "$BENCH/tp_test.log" 2>&1; echo "tp test exit $?"
   grep -E "^(PASSED|FAILED|SKIPPED|\{)" "$BENCH/tp_test.log"
 fi
+# PYSPY=path/to/py-spy PYSPY_POINTS="nixl_c16_in4096_out128 ...": sample P's and D's engine
+# processes over those benchmark points (benchmarks/pyspy_probe.sh, PYSPY_SECONDS each, 45 by
+# default) into $OUT/$RUN/pyspy_<point>/. A probe whose point never ran (its configuration did
+# not start) is stopped when the benchmark ends rather than left waiting for it.
+probes=()
+if [ -n "${PYSPY:-}" ] && [ ${#configs[@]} -gt 0 ]; then
+  for point in ${PYSPY_POINTS:-}; do
+    setsid bash benchmarks/pyspy_probe.sh "$PYSPY" "$OUT/$RUN" "$point" "${PYSPY_SECONDS:-45}" \
+      "$OUT/$RUN/pyspy_$point" > /dev/null 2>&1 &
+    probes+=($!)
+  done
+fi
 if [ ${#configs[@]} -gt 0 ]; then
   limit=(); [ -n "${BENCH_TIMEOUT:-}" ] && limit=(timeout -k 30 "$BENCH_TIMEOUT")
   "${limit[@]}" python3 benchmarks/ttft_bench.py --device cuda --model "$MODEL" --load-format dummy \
@@ -56,6 +68,14 @@ if [ ${#configs[@]} -gt 0 ]; then
     > "$OUT/$RUN/bench.log" 2>&1
   echo "ttft_bench exit $?"
   grep -E "^\[bench|median|identity|\||failed|Error" "$OUT/$RUN/bench.log" | grep -v "bench serve --backend" | tail -60
+  # a probe still recording ends with its servers (stopped by now): give it a few seconds
+  # to write its profile, then stop whatever is left (probes still waiting for their point)
+  for _ in $(seq 1 5); do
+    live=0; for p in "${probes[@]}"; do kill -0 "$p" 2>/dev/null && live=1; done
+    [ $live = 0 ] && break
+    sleep 1
+  done
+  for p in "${probes[@]}"; do kill -- -"$p" 2>/dev/null; done
   cp -r "$OUT/$RUN" "$BENCH/"
 fi
 # Never leave this run's servers holding the GPUs for the next call: they run in sessions of
