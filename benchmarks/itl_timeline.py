@@ -16,7 +16,7 @@ only. If a configuration's decode is slow only in join steps, its cost is in tak
 in; if steady steps are slow too, it is in every step.
 
 Usage:
-    python benchmarks/itl_timeline.py RESULT.json [RESULT.json ...] [--window 1.0]
+    python benchmarks/itl_timeline.py RESULT.json[.gz] [RESULT.json ...] [--window 1.0]
         [--plot itl_timeline.png]
 """
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import gzip
 import json
 import statistics
 from pathlib import Path
@@ -118,7 +119,11 @@ def timeline(result: dict[str, Any], window_s: float = 1.0,
 
 
 def plot(timelines: dict[str, list[dict[str, Any]]], out: Path) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib (pip install matplotlib); the table above "
+                         "does not") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -149,14 +154,16 @@ def main() -> None:
     print("| result | gaps | join fraction | median ITL | join steps | steady steps |")
     print("|---|---|---|---|---|---|")
     for path in args.results:
-        result = json.loads(path.read_text())
         try:
+            raw = path.read_bytes()
+            result = json.loads(gzip.decompress(raw) if path.suffix == ".gz" else raw)
             s = split(result)
-        except NotDetailed as e:
+        except (OSError, ValueError) as e:  # missing, not gzip, not JSON, not detailed
             raise SystemExit(f"{path}: {e}") from None
-        print(f"| {path.stem} | {s['gaps']} | {s['join_fraction']} | {s['median_itl_ms']} | "
+        name = path.name.removesuffix(".gz").removesuffix(".json")
+        print(f"| {name} | {s['gaps']} | {s['join_fraction']} | {s['median_itl_ms']} | "
               f"{s['median_join_itl_ms']} | {s['median_steady_itl_ms']} |")
-        timelines[path.stem] = timeline(result, args.window)
+        timelines[name] = timeline(result, args.window)
     if args.plot:
         plot(timelines, args.plot)
 

@@ -305,7 +305,12 @@ def bench(runner: BenchServe, url: str, args: argparse.Namespace, out: Path, tag
         runner.run(argv, out / f"{tag}.stdout", timeout=args.bench_timeout)
     except RuntimeError as e:
         raise RuntimeError(f"bench {tag} failed: {e}") from None
-    return json.loads((out / fname).read_text())
+    result = json.loads((out / fname).read_text())
+    # --save-detailed also keeps every generated text: random tokens, a third of a load
+    # point's file, never read (the identity check compares token ids on its own prompts)
+    if result.pop("generated_texts", None) is not None:
+        (out / fname).write_text(json.dumps(result))
+    return result
 
 
 def identity_prompts(n: int, model: str, max_len: int) -> list[list[int]]:

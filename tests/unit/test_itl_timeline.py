@@ -3,6 +3,7 @@ of a ``vllm bench serve --save-detailed`` result, on a simulated engine with kno
 
 from __future__ import annotations
 
+import gzip
 import json
 import subprocess
 import sys
@@ -77,11 +78,21 @@ def test_a_result_without_per_token_times_says_how_to_get_them(tmp_path: Path) -
     assert r.returncode != 0 and "--save-detailed" in r.stderr, r.stderr
 
 
-def test_the_command_prints_one_row_per_result(tmp_path: Path) -> None:
-    path = tmp_path / "layerkv_c16_in4096_out128.json"
-    path.write_text(json.dumps(simulated_result({0: 0, 1: 0, 2: 5}, tokens=10, steps=20)))
-    r = subprocess.run([sys.executable, str(BENCHMARKS / "itl_timeline.py"), str(path)],
+def test_the_command_prints_one_row_per_result_plain_or_gzipped(tmp_path: Path) -> None:
+    data = json.dumps(simulated_result({0: 0, 1: 0, 2: 5}, tokens=10, steps=20)).encode()
+    (tmp_path / "layerkv_c16_in4096_out128.json").write_bytes(data)
+    (tmp_path / "nixl_c16_in4096_out128.json.gz").write_bytes(gzip.compress(data))
+    r = subprocess.run([sys.executable, str(BENCHMARKS / "itl_timeline.py"),
+                        str(tmp_path / "layerkv_c16_in4096_out128.json"),
+                        str(tmp_path / "nixl_c16_in4096_out128.json.gz")],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    row = r.stdout.strip().splitlines()[-1]
-    assert row.startswith("| layerkv_c16_in4096_out128 |") and "| 30.0 | 10.0 |" in row, r.stdout
+    rows = r.stdout.strip().splitlines()[-2:]
+    for row, name in zip(rows, ("layerkv", "nixl")):
+        assert row.startswith(f"| {name}_c16_in4096_out128 |") and "| 30.0 | 10.0 |" in row, rows
+
+
+def test_a_missing_result_is_named_in_the_error(tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, str(BENCHMARKS / "itl_timeline.py"),
+                        str(tmp_path / "nope.json")], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "nope.json" in r.stderr and "Traceback" not in r.stderr, r.stderr

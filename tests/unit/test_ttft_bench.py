@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -87,7 +91,6 @@ class FakeServer:
 
 
 def test_a_proxy_that_fails_to_start_takes_its_servers_down(tmp_path) -> None:
-    import argparse
     import sys
 
     from vllm_layerkv.testing.servers import ServerError
@@ -104,7 +107,6 @@ def test_a_proxy_that_fails_to_start_takes_its_servers_down(tmp_path) -> None:
 def test_a_configuration_that_does_not_start_is_recorded_and_the_next_one_runs(
         tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A lent GPU's call is short: one configuration failing to start must not cost the others."""
-    import json
     import sys
 
     from vllm_layerkv.testing.servers import ServerError
@@ -180,3 +182,29 @@ def test_a_malformed_load_point_is_refused_before_anything_starts(
     with pytest.raises(SystemExit):
         ttft_bench.main()
     assert "expected C:IN:OUT:N, four positive integers" in capsys.readouterr().err
+
+
+def test_a_point_keeps_per_token_times_but_not_the_generated_texts(tmp_path) -> None:
+    """vllm bench serve runs with --save-detailed: the point's file keeps what itl_timeline.py
+    reads (start times, TTFTs, gaps) and loses the generated texts; the summary splits the
+    decode steps."""
+    calls = []
+
+    class Runner:  # stands in for bench_serve.BenchServe: writes the result vLLM would
+        def run(self, argv, stdout_path, timeout):
+            calls.append(argv)
+            out = Path(argv[argv.index("--result-dir") + 1])
+            (out / argv[argv.index("--result-filename") + 1]).write_text(json.dumps({
+                "median_ttft_ms": 50.0, "completed": 2, "failed": 0,
+                "start_times": [1.0, 1.0], "ttfts": [0.05, 0.05],
+                "itls": [[0.01, 0.01], [0.01, 0.01]], "generated_texts": ["a b", "c d"]}))
+
+    args = argparse.Namespace(tokenizer=None, model="m", bench_timeout=60)
+    result = ttft_bench.bench(Runner(), "http://x", args, tmp_path, "layerkv_c2_in16_out3", 16,
+                              3, 2, 2)
+    assert "--save-detailed" in calls[0]
+    saved = json.loads((tmp_path / "layerkv_c2_in16_out3.json").read_text())
+    assert "generated_texts" not in saved and "generated_texts" not in result
+    assert saved["itls"] == [[0.01, 0.01], [0.01, 0.01]]
+    steps = ttft_bench.summarize(result)["steps"]
+    assert steps["gaps"] == 4 and steps["median_steady_itl_ms"] == 10.0
