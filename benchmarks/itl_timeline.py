@@ -15,6 +15,11 @@ single instance it also runs the new request's prefill. The rest are **steady** 
 only. If a configuration's decode is slow only in join steps, its cost is in taking requests
 in; if steady steps are slow too, it is in every step.
 
+``vllm bench serve`` records one gap per streamed chunk. A chunk that carries several tokens
+(the server, the proxy or the client fell behind and read them together) gives one longer gap
+instead of several; ``merged_tokens`` counts the tokens that came that way. On the GPU hosts it
+is normally 0; on the 2-core CI machine it is not, so a gap there is not always one step.
+
 Usage:
     python benchmarks/itl_timeline.py RESULT.json[.gz] [RESULT.json ...] [--window 1.0]
         [--plot itl_timeline.png]
@@ -83,12 +88,20 @@ def _median_ms(values: list[float]) -> float | None:
 
 
 def split(result: dict[str, Any], slack: float = JOIN_SLACK) -> dict[str, Any]:
-    """Median gap overall, in join steps and in steady (decode-only) steps."""
-    g = gaps(token_times(result), slack)
+    """Median gap overall, in join steps and in steady (decode-only) steps, and how many
+    tokens reached the client in a chunk with others (``merged_tokens``; None without
+    ``output_lens``)."""
+    requests = token_times(result)
+    g = gaps(requests, slack)
+    merged = None
+    if "output_lens" in result:
+        generated = sum(n for n, ttft in zip(result["output_lens"], result["ttfts"]) if ttft)
+        merged = generated - sum(len(times) for times in requests)
     join = [length for _, length, j in g if j]
     steady = [length for _, length, j in g if not j]
     return {
         "gaps": len(g),
+        "merged_tokens": merged,
         "join_fraction": round(len(join) / len(g), 3) if g else None,
         "median_itl_ms": _median_ms([length for _, length, _ in g]),
         "median_join_itl_ms": _median_ms(join),

@@ -478,7 +478,8 @@ def measure(config: Config, url: str, args: argparse.Namespace, runner: BenchSer
         if (steps := res[f"c{c}_in{i}_out{o}"].get("steps")) and steps["gaps"]:
             log(f"{name} load c={c} decode steps (client side): median "
                 f"{steps['median_steady_itl_ms']} ms steady, {steps['median_join_itl_ms']} ms "
-                f"when a request joined ({steps['join_fraction']:.0%} of gaps)")
+                f"when a request joined ({steps['join_fraction']:.0%} of gaps; "
+                f"{steps['merged_tokens']} tokens came in a chunk with others)")
     return same
 
 

@@ -40,8 +40,11 @@ def test_ttft_bench_cpu_smoke(tmp_path: Path) -> None:
         res = summary["results"][config]["c1_in512"]
         assert res["completed"] == 2 and res["failed"] == 0
         assert res["median_ttft_ms"] > 0
-        # per-token times kept (--save-detailed): 2 requests x 7 gaps, one request at a time
-        assert res["steps"]["gaps"] == 14 and res["steps"]["join_fraction"] == 0, res
+        # per-token times kept (--save-detailed): 2 requests x 8 tokens, one request at a
+        # time. On 2 cores some tokens reach the client in one chunk (seen: 9 gaps of 14).
+        steps = res["steps"]
+        assert 0 < steps["gaps"] and steps["gaps"] + steps["merged_tokens"] == 14, steps
+        assert steps["join_fraction"] == 0, steps
         cold = summary["results"][config]["cold_start"]  # the first request and a second
         assert cold["prompt_len"] == 512 and cold["cold_ttft_ms"] > 0 < cold["warm_ttft_ms"]
     # the result files vllm bench serve saved are there for the table / plots

@@ -96,3 +96,14 @@ def test_a_missing_result_is_named_in_the_error(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, str(BENCHMARKS / "itl_timeline.py"),
                         str(tmp_path / "nope.json")], capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "nope.json" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_tokens_that_came_in_one_chunk_are_counted() -> None:
+    """vllm bench serve keeps one gap per chunk: a chunk with 3 tokens is one gap, not 3."""
+    result = simulated_result({0: 0, 1: 0}, tokens=6, steps=6)
+    result["output_lens"] = [6, 6]
+    assert itl_timeline.split(result)["merged_tokens"] == 0
+    itls = result["itls"][1]
+    result["itls"][1] = [itls[0], itls[1] + itls[2] + itls[3], itls[4]]  # tokens 3-5 together
+    s = itl_timeline.split(result)
+    assert s["merged_tokens"] == 2 and s["gaps"] == 5 + 3
