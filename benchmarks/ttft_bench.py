@@ -471,11 +471,11 @@ def measure(config: Config, url: str, args: argparse.Namespace, runner: BenchSer
         save()
     for c, i, o, k in args.load:
         r = bench(runner, url, args, args.out, f"{name}_c{c}_in{i}_out{o}", i, o, k, c)
-        res[f"c{c}_in{i}_out{o}"] = summarize(r)
+        point = res[f"c{c}_in{i}_out{o}"] = summarize(r)
         save()
         log(f"{name} load c={c}: mean TTFT {r['mean_ttft_ms']:.1f} ms, "
             f"mean TPOT {r['mean_tpot_ms']:.2f} ms")
-        if (steps := res[f"c{c}_in{i}_out{o}"].get("steps")) and steps["gaps"]:
+        if (steps := point.get("steps")) and steps["gaps"]:
             log(f"{name} load c={c} decode steps (client side): median "
                 f"{steps['median_steady_itl_ms']} ms steady, {steps['median_join_itl_ms']} ms "
                 f"when a request joined ({steps['join_fraction']:.0%} of gaps; "
