@@ -34,10 +34,12 @@ def stream(url: str, prompt: str, max_tokens: int) -> tuple[float, float, str]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--workdir", type=Path, default=None)
-    ap.add_argument("--words", type=int, nargs="+", default=[40, 200, 500, 900, 1300])
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--workdir", type=Path, default=None,
+                    help="server logs and traces go here (default: a new temporary directory)")
+    ap.add_argument("--words", type=int, nargs="+", default=[40, 200, 500, 900, 1300],
+                    help="prompt lengths in words, one prompt each")
+    ap.add_argument("--repeats", type=int, default=2, help="times each prompt is sent")
+    ap.add_argument("--max-tokens", type=int, default=16, help="tokens generated per request")
     args = ap.parse_args()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="layerkv-demo-"))
     # same scheduler budget as the single instance, so the comparison is like for like

@@ -76,10 +76,12 @@ def run(kind: str, nbytes: int, pieces: int, iters: int) -> dict:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mb", type=int, default=256)
-    ap.add_argument("--pieces", type=int, default=4)
-    ap.add_argument("--iters", type=int, default=3)
-    ap.add_argument("--mem", nargs="+", default=["pinned", "pageable", "vram"])
+    ap.add_argument("--mb", type=int, default=256, help="MiB per WRITE (default 256)")
+    ap.add_argument("--pieces", type=int, default=4,
+                    help="descriptors the WRITE is split into (default 4)")
+    ap.add_argument("--iters", type=int, default=3, help="WRITEs timed per case (default 3)")
+    ap.add_argument("--mem", nargs="+", default=["pinned", "pageable", "vram"],
+                    help="memory kinds to measure (default: pinned pageable vram)")
     args = ap.parse_args()
     for kind in args.mem:
         print(json.dumps(run(kind, args.mb << 20, args.pieces, args.iters)), flush=True)

@@ -75,9 +75,9 @@ def make_app(prefill: list[str], decode: list[str]) -> web.Application:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--prefill", nargs="+", required=True)
-    ap.add_argument("--decode", nargs="+", required=True)
-    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--prefill", nargs="+", required=True, help="prefill instance URLs")
+    ap.add_argument("--decode", nargs="+", required=True, help="decode instance URLs")
+    ap.add_argument("--port", type=int, required=True, help="port the proxy listens on")
     args = ap.parse_args()
     web.run_app(make_app([u.rstrip("/") for u in args.prefill],
                          [u.rstrip("/") for u in args.decode]),

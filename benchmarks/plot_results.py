@@ -93,8 +93,9 @@ def plot(table: dict, out: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("dirs", type=Path, nargs="+")
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("dirs", type=Path, nargs="+", help="ttft_bench.py output directories")
+    ap.add_argument("--out", type=Path, required=True,
+                    help="where table.json, table.md and the plots go")
     args = ap.parse_args()
     table = collect(args.dirs)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -148,7 +148,8 @@ def server(args: argparse.Namespace, role: str, out: Path, kv: dict | None,
         extra += ["--load-format", args.load_format]
     return VllmServer(
         args.model, free_port(), served_model_name=NAME,
-        cpu_bind=cpu_bind(role, tp), gpus=gpus if gpu else None, enforce_eager=not (gpu and args.cuda_graphs),
+        cpu_bind=cpu_bind(role, tp), gpus=gpus if gpu else None,
+        enforce_eager=not (gpu and args.cuda_graphs),
         kv_transfer_config=kv, extra_args=extra, env=env or {}, log_path=out / f"{role}.log",
         dtype=args.dtype, max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
@@ -526,40 +527,52 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n", 1)[1])
-    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--tokenizer")
-    ap.add_argument("--load-format", default=None)
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                    help="where the instances run (default cuda)")
+    ap.add_argument("--model", required=True, help="model directory every instance serves")
+    ap.add_argument("--tokenizer", help="tokenizer directory (default: the model's)")
+    ap.add_argument("--load-format", default=None,
+                    help="vLLM --load-format, e.g. dummy (random weights, config only)")
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
-    ap.add_argument("--configs", nargs="+", default=["single", "nixl", "layerkv"])
-    ap.add_argument("--prompt-lens", type=int, nargs="+", default=[1024, 4096, 8192, 16000])
-    ap.add_argument("--num-prompts", type=int, default=10)
-    ap.add_argument("--output-len", type=int, default=8)
+    ap.add_argument("--configs", nargs="+", default=["single", "nixl", "layerkv"],
+                    help="configurations, run in this order (listed below)")
+    ap.add_argument("--prompt-lens", type=int, nargs="+", default=[1024, 4096, 8192, 16000],
+                    help="prompt lengths (tokens) of the c=1 points")
+    ap.add_argument("--num-prompts", type=int, default=10,
+                    help="requests per c=1 point (its median TTFT is reported)")
+    ap.add_argument("--output-len", type=int, default=8,
+                    help="output tokens per request at the c=1 points")
     ap.add_argument("--load", action="append", default=[], metavar="C:IN:OUT:N", type=load_point,
                     help="a load point: concurrency, input len, output len, requests")
     ap.add_argument("--identity", type=int, default=0, metavar="N",
                     help="greedy token-identity check with N prompts")
     ap.add_argument("--identity-ref", type=Path, default=None, metavar="PATH",
                     help="where the single instance's greedy ids are kept (written by a run "
-                         "with 'single', read by later runs without it); default: OUT/identity_single.json")
-    ap.add_argument("--max-model-len", type=int, default=17000)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
-    ap.add_argument("--max-num-seqs", type=int, default=64)
+                         "with 'single', read by later runs without it); default: "
+                         "OUT/identity_single.json")
+    ap.add_argument("--max-model-len", type=int, default=17000, help="vLLM --max-model-len")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="vLLM --max-num-batched-tokens of every instance (default: vLLM's)")
+    ap.add_argument("--max-num-seqs", type=int, default=64, help="vLLM --max-num-seqs")
     ap.add_argument("--no-prefix-caching", action="store_true",
                     help="every instance without prefix caching (hybrid Mamba models: Mamba "
                          "prefix caching is untested with LayerKV)")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85,
+                    help="vLLM --gpu-memory-utilization (halved where P and D share a GPU)")
     ap.add_argument("--num-gpus", type=int, default=2,
                     help="GPUs the machine has, for placing P and D (see TP suffix above)")
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="GPU: let vLLM capture CUDA graphs (default --enforce-eager for every "
                          "configuration, as in the committed results)")
-    ap.add_argument("--start-timeout", type=float, default=900)
-    ap.add_argument("--bench-timeout", type=float, default=900)
+    ap.add_argument("--start-timeout", type=float, default=900,
+                    help="seconds a configuration's servers may take to start")
+    ap.add_argument("--bench-timeout", type=float, default=900,
+                    help="seconds one vllm bench serve point may take before it is killed")
     ap.add_argument("--trace", action="store_true",
                     help="LayerKV: connector traces on P and D and the proxy's trace; writes "
                          "<config>_profile.json (TTFT breakdown, benchmarks/profile_trace.py)")
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True,
+                    help="directory for the result files, logs and summary.json")
     args = ap.parse_args()
     # SIGTERM (timeout, Ctrl-C from a wrapper) must still run the finally blocks that stop servers
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
