@@ -203,3 +203,22 @@ def test_usage_edit_counts_prefills_token_and_passes_the_rest_through() -> None:
     out += edit.feed(b"data: [DONE]\n\n") + edit.flush()
     assert out.startswith(plain) and out.endswith(b"data: [DONE]\n\n")
     assert sse_texts(out)[1]["usage"] == {"completion_tokens": 5, "total_tokens": 10}
+
+
+def test_client_leaving_after_prefills_token_cancels_decode() -> None:
+    async def main() -> None:
+        async with Harness(first_token_from_prefill=True) as h:
+            async def slow_d(request: web.Request, body: dict) -> web.StreamResponse:
+                resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+                await resp.prepare(request)
+                await asyncio.sleep(WAIT_S * 3)
+                return resp
+
+            h.prefill[0].on_generate = answering_p
+            h.decode[0].on_generate = slow_d
+            r = await h.client.post(h.url + "/v1/completions", json=completion(stream=True))
+            assert P_TEXT.encode() in await r.content.readany()
+            r.close()
+            await asyncio.wait_for(h.decode[0].cancelled.wait(), WAIT_S)
+
+    run(main())

@@ -441,6 +441,9 @@ class ProxyApp:
             try:
                 return await self._answer_from_prefill_first(request, body, tid, d, p_task,
                                                              d_task)
+            except ClientGone:
+                logger.debug("request %s: client disconnected", tid)
+                return web.Response(status=499)  # nobody reads it
             finally:
                 self.tracer.event("proxy_out", transfer_id=tid)
                 self.tracer.flush()
@@ -540,8 +543,11 @@ class ProxyApp:
                 return web.Response(body=first.as_answer(), headers={
                     "Content-Type": "application/json", **out_headers})
             response = await open_stream(request, 200, "text/event-stream", out_headers)
-            await response.write(first.first_chunk(final=True) +
-                                 first.final_events(include_usage))
+            try:
+                await response.write(first.first_chunk(final=True) +
+                                     first.final_events(include_usage))
+            except (ConnectionError, RuntimeError):
+                pass  # the client is gone
             return response
         if not stream:
             try:
