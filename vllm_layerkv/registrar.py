@@ -53,7 +53,7 @@ class RegistrationServer:
         """transfer_id -> the connection that registered it, for transfers whose D wants the
         first token (until it is pushed or the transfer is forgotten)."""
         self._routes_lock = threading.Lock()
-        self._pushes: queue.SimpleQueue[FirstToken | None] = queue.SimpleQueue()
+        self._pushes: queue.SimpleQueue[tuple[_Link, FirstToken] | None] = queue.SimpleQueue()
         threading.Thread(target=self._accept_loop, name="layerkv-registrar", daemon=True).start()
         threading.Thread(target=self._push_loop, name="layerkv-registrar-push",
                          daemon=True).start()
@@ -64,9 +64,17 @@ class RegistrationServer:
         self._server.close()
 
     def push(self, msg: FirstToken) -> None:
-        """Send ``msg`` to the D that registered its transfer (never blocks the caller; a
-        transfer whose connection is gone is dropped: D's kv_wait_timeout_s then fails it)."""
-        self._pushes.put(msg)
+        """Send ``msg`` to the D that registered its transfer, once. The connection is taken
+        now, so a ``forget`` right after cannot lose it; the sending happens on the push
+        thread (never blocks the caller). Without a connection (gone, or D did not ask) the
+        message is dropped: D's kv_wait_timeout_s then fails its request."""
+        with self._routes_lock:
+            link = self._routes.pop(msg.transfer_id, None)
+        if link is None:
+            logger.warning("transfer %s: no decode connection to send its first token on",
+                           msg.transfer_id)
+            return
+        self._pushes.put((link, msg))
 
     def forget(self, transfer_id: str) -> None:
         with self._routes_lock:
@@ -74,15 +82,10 @@ class RegistrationServer:
 
     def _push_loop(self) -> None:
         while True:
-            msg = self._pushes.get()
-            if msg is None:
+            entry = self._pushes.get()
+            if entry is None:
                 return
-            with self._routes_lock:
-                link = self._routes.pop(msg.transfer_id, None)
-            if link is None:
-                logger.warning("transfer %s: no decode connection to send its first token on",
-                               msg.transfer_id)
-                continue
+            link, msg = entry
             try:
                 link.send(msg)
             except OSError as e:

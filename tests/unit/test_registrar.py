@@ -82,3 +82,15 @@ def test_a_dropped_connection_is_reopened_for_the_next_registration(pd) -> None:
     conn.close()
     client.send(server.endpoint, register("t2"))
     assert client.replies.get(timeout=5) == RegisterAck(transfer_id="t2", tp_size=1)
+
+
+def test_a_pushed_token_survives_the_transfer_being_forgotten_right_after(pd) -> None:
+    """P's scheduler forgets a transfer once its KV is acknowledged, which can come before the
+    push thread has sent the token (seen end to end on 2 cores: D waited until its
+    kv_wait_timeout_s)."""
+    server, got, client = pd
+    client.send(server.endpoint, register("t1"))
+    assert client.replies.get(timeout=5).transfer_id == "t1"
+    server.push(FirstToken(transfer_id="t1", token_id=42))
+    server.forget("t1")
+    assert client.replies.get(timeout=5) == FirstToken(transfer_id="t1", token_id=42)
