@@ -19,6 +19,8 @@ Configurations (``--configs``):
   layerkv      LayerKV P + D behind the project's proxy (transport auto: CUDA IPC on one host)
   layerkv-tcp  same with transport=tcp (KV through pinned host memory and a TCP socket)
   layerkv-noearly   same with early_release=false (D reports a request only once its KV is in)
+  layerkv-ft   same behind the proxy with --first-token-from-prefill (the client's first token
+               is P's; D continues from it)
   layerkv-nixl      same with transport=nixl (UCX's default transports: CUDA IPC between GPUs)
   layerkv-nixl-tcp  same with transport=nixl and UCX_TLS=tcp,cuda_copy,self (like nixl-tcp);
                     host_bounce (auto) then moves KV through pinned host memory
@@ -178,6 +180,7 @@ LAYERKV_CONFIGS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
     "layerkv": ({}, {}),
     "layerkv-tcp": ({"transport": "tcp"}, {}),
     "layerkv-noearly": ({"early_release": False}, {}),
+    "layerkv-ft": ({}, {}),
     "layerkv-nixl": ({"transport": "nixl"}, {}),
     "layerkv-nixl-tcp": ({"transport": "nixl"}, {"UCX_TLS": "tcp,cuda_copy,self"}),
     "layerkv-nixl-tcp-direct": ({"transport": "nixl", "host_bounce": "off"},
@@ -187,6 +190,9 @@ LAYERKV_CONFIGS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
     "layerkv-mooncake": ({"transport": "mooncake", "mooncake_protocol": "tcp"}, {}),
     "layerkv-mooncake-bounce": ({"transport": "mooncake", "mooncake_protocol": "tcp",
                                  "host_bounce": "on"}, {}),
+}
+LAYERKV_PROXY_ARGS: dict[str, list[str]] = {
+    "layerkv-ft": ["--first-token-from-prefill"],
 }
 TRANSFER_COUNTERS = ("vllm:layerkv_groups_sent", "vllm:layerkv_transfers_sent",
                      "vllm:layerkv_bytes_sent")
@@ -248,7 +254,7 @@ def deploy(config: Config, args: argparse.Namespace, out: Path) -> Deployment:
                                           "kv_connector_extra_config": common}, env,
                    tp=d_tp, other_tp=p_tp)
         proxy = [sys.executable, "-m", "vllm_layerkv.cli", "proxy", "--prefill", p.url,
-                 "--decode", d.url, *trace]
+                 "--decode", d.url, *trace, *LAYERKV_PROXY_ARGS.get(family, [])]
         return Deployment([p, d], proxy, cdir / "proxy.log")
     raise SystemExit(f"unknown configuration {name!r}")
 

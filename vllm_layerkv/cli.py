@@ -61,6 +61,10 @@ def _add_proxy(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
     p.add_argument("--trace", default="", metavar="PATH",
                    help="append per-request timestamps (JSON lines, by transfer_id) to "
                         "PATH.proxy.0, for benchmarks/profile_trace.py (default: off)")
+    p.add_argument("--first-token-from-prefill", action="store_true",
+                   help="answer eligible completions with the token P samples, D continuing "
+                        "from it: TTFT without D's first step (see docs/proxy.md for which "
+                        "requests, and what D needs)")
     p.set_defaults(func=_run_proxy)
 
 

@@ -120,6 +120,23 @@ def truncate_prompt(request: Any, n: int) -> bool:
     return True
 
 
+def append_prompt_token(request: Any, token_id: int) -> bool:
+    """Make ``token_id`` the last prompt token of a request vLLM has not scheduled yet (D side
+    of ``first_token_from_prefill``: the token P sampled, which the client already has). The
+    worker then gets it with the prompt (``NewRequestData.prompt_token_ids``, 0.26 and 0.32),
+    D computes it, samples the next, and a recompute after preemption includes it. Touches
+    vLLM's ``Request`` internals, hence here. False for prompts that are not plain token ids."""
+    if (request.prompt_token_ids is None or getattr(request, "prompt_embeds", None) is not None
+            or getattr(request, "prompt_is_token_ids", None) is not None):
+        return False
+    # a new list: in-process engines may share the original with the frontend
+    request.prompt_token_ids = [*request.prompt_token_ids, token_id]
+    request._all_token_ids.append(token_id)  # in place: all_token_ids is a view of it
+    request.num_prompt_tokens += 1
+    request.update_block_hashes()  # a block the token completes gets its hash
+    return True
+
+
 __all__ = [
     "KVConnectorBase_V1",
     "KVConnectorMetadata",
@@ -132,6 +149,8 @@ __all__ = [
     "create_metric_per_engine",
     "kv_cache_group_kinds",
     "kv_groups",
+    "truncate_prompt",
+    "append_prompt_token",
 ]
 
 

@@ -10,6 +10,13 @@ Flow per request (decode registers first, DESIGN.md):
 3. Workers report the request finished receiving; vLLM recomputes the last prompt token and
    decodes. On refusal or timeout, workers report it failed (vLLM's kv_load_failure_policy
    then fails or recomputes it), and P is told to stop.
+
+With ``first_token_from_prefill`` (the proxy has sent the client the token P sampled after
+the prompt), D continues from P's token instead of sampling its own: the registration asks P
+for it, P sends it when its request finishes (``FirstToken``), the workers report the request
+only once the token is here too, and it is appended to the prompt before vLLM schedules the
+request (``compat.append_prompt_token``). D then computes that one token, as it would have
+recomputed the last prompt token.
 """
 
 from __future__ import annotations
@@ -20,10 +27,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_layerkv.compat import append_prompt_token
 from vllm_layerkv.config import LayerKVConfig
 from vllm_layerkv.kvgroups import NULL_BLOCK
 from vllm_layerkv.metadata import LayerKVMetadata, RecvClose, RecvTask
-from vllm_layerkv.protocol import Cancel, CompatInfo, Refused, Register
+from vllm_layerkv.protocol import Cancel, CompatInfo, FirstToken, Refused, Register
 from vllm_layerkv.registrar import RegistrationClient
 from vllm_layerkv.request_params import DecodeParams
 from vllm_layerkv.trace import Tracer
@@ -38,6 +46,9 @@ class _Waiting:
     endpoint: str
     deadline: float
     closed: bool = False
+    request: Any = None
+    """vLLM's Request, kept when it is to continue from P's first token."""
+    first_token: int | None = None
 
 
 class DecodeScheduler:
@@ -92,16 +103,26 @@ class DecodeScheduler:
         if not self._data_endpoints:
             raise RuntimeError("LayerKV decode workers have not published data endpoints")
         block_ids = [list(g) for g in blocks.get_block_ids()]
+        first = params.first_token_from_prefill
         reg = Register(
             transfer_id=params.transfer_id, engine_id=self._engine_id, compat=self._compat,
             tp_size=self._tp_size, data_endpoints=self._data_endpoints, block_ids=block_ids,
-            start_token=local, num_tokens=local + num_external_tokens)
+            start_token=local, num_tokens=local + num_external_tokens,
+            wants_first_token=first)
         w = _Waiting(req_id, params.transfer_id, params.remote_endpoint,
-                     deadline=time.monotonic() + self._config.kv_wait_timeout_s)
+                     deadline=time.monotonic() + self._config.kv_wait_timeout_s,
+                     request=request if first else None)
         self._waiting[req_id] = w
         self._by_tid[params.transfer_id] = w
         writable = sorted({b for g in block_ids for b in g if b != NULL_BLOCK})
-        self._pending.recvs.append(RecvTask(req_id, params.transfer_id, writable))
+        self._pending.recvs.append(RecvTask(req_id, params.transfer_id, writable, first))
+        if first and self._backoff:
+            # P's prompt is cut short by the backoff: the token it samples is not the first
+            self._fail(w, "first_token_from_prefill does not work with models that keep "
+                          "Mamba/SSM state (the prefill instance computes the prompt minus "
+                          f"its last {self._backoff} token(s)); send this request without it "
+                          "(the proxy's --first-token-from-prefill off)", notify_prefill=True)
+            return
         self._client.send(params.remote_endpoint, reg)
 
     def build_meta(self, meta: LayerKVMetadata, scheduler_output: Any = None) -> None:
@@ -117,6 +138,7 @@ class DecodeScheduler:
         pending, self._pending = self._pending, LayerKVMetadata()
         meta.recvs += pending.recvs
         meta.recv_closes += pending.recv_closes
+        meta.first_tokens += pending.first_tokens
 
     def request_finished(self, req_id: str) -> None:
         """The request ended; if it still waits for KV (aborted), stop the transfer."""
@@ -132,6 +154,7 @@ class DecodeScheduler:
                                                  reason="decode request aborted"))
 
     def finished_recving(self, req_ids: set[str]) -> None:
+        """vLLM has the workers' report (it readies these requests right after this call)."""
         self._received |= req_ids
         if self._tracer.enabled:
             # vLLM has the worker's report now (with async scheduling, one step after it)
@@ -139,8 +162,15 @@ class DecodeScheduler:
             self._tracer.flush()
         for req_id in req_ids:
             w = self._waiting.pop(req_id, None)
-            if w is not None:
-                self._by_tid.pop(w.transfer_id, None)
+            if w is None:
+                continue
+            self._by_tid.pop(w.transfer_id, None)
+            # the workers report such a request only with its token (or failed: then vLLM
+            # fails it, or recomputes it, which with the token appended is right too)
+            if w.request is not None and w.first_token is not None:
+                if not append_prompt_token(w.request, w.first_token):
+                    logger.error("request %s: cannot append the first token from prefill to "
+                                 "a prompt that is not token ids", req_id)
 
     def shutdown(self) -> None:
         self._client.close()
@@ -169,6 +199,11 @@ class DecodeScheduler:
                 w = self._by_tid.get(reply.transfer_id)
                 if w is not None and not w.closed:
                     self._fail(w, reply.reason, notify_prefill=False)
+            elif isinstance(reply, FirstToken):
+                w = self._by_tid.get(reply.transfer_id)
+                if w is not None and w.request is not None and w.first_token is None:
+                    w.first_token = reply.token_id
+                    self._pending.first_tokens.append(reply.transfer_id)
 
     def _fail(self, w: _Waiting, reason: str, notify_prefill: bool) -> None:
         logger.error("LayerKV: request %s (transfer %s) cannot get its KV: %s", w.req_id,

@@ -58,6 +58,8 @@ class DecodeWorker:
             self._table.expect(task)
         for close in meta.recv_closes:
             self._table.close(close.transfer_id, close.failed, close.reason)
+        for transfer_id in meta.first_tokens:
+            self._table.token_arrived(transfer_id)
         if meta.first_steps:  # before the forward: KV of requests reported early must be in
             self._table.wait_early(meta.first_steps, self._early_wait_s)
 

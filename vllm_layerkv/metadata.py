@@ -45,6 +45,9 @@ class RecvTask:
     req_id: str
     transfer_id: str
     block_ids: list[int]
+    wants_first_token: bool = False
+    """Report the request only once D's scheduler also has P's first token
+    (``LayerKVMetadata.first_tokens``), and never early."""
 
 
 @dataclass
@@ -72,6 +75,8 @@ class LayerKVMetadata(KVConnectorMetadata):
     recv_closes: list[RecvClose] = field(default_factory=list)
     empty_step: bool = False
     """No tokens scheduled: workers may wait briefly for completions instead of spinning."""
+    first_tokens: list[str] = field(default_factory=list)
+    """D: transfer ids whose first token from P the scheduler now has."""
     first_steps: list[str] = field(default_factory=list)
     """D: received requests whose first token this step computes (a request reported early
     waits for its KV before the forward; tracing marks the step)."""

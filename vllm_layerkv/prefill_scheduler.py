@@ -31,6 +31,7 @@ from vllm_layerkv.metadata import LayerKVMetadata, Peer, SendTask
 from vllm_layerkv.protocol import (
     Cancel,
     CompatInfo,
+    FirstToken,
     Refused,
     Register,
     RegisterAck,
@@ -76,6 +77,8 @@ class _Prefill:
     finished: bool = False
     released: bool = False
     hold_deadline: float = 0.0
+    first_token: int | None = None
+    """The token the request sampled after its prompt (known once it finished)."""
 
 
 class PrefillScheduler:
@@ -210,12 +213,16 @@ class PrefillScheduler:
                     meta.sends.append(task)
 
     def request_finished(self, req_id: str, transfer_id: str, block_ids: list[list[int]],
-                         complete: bool) -> tuple[bool, dict[str, Any] | None]:
+                         complete: bool, first_token: int | None = None
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        """``first_token``: what the request sampled after its prompt; sent to a D that asked
+        for it (``Register.wants_first_token``)."""
         self._first_seen.pop(req_id, None)
         p = self._by_req.get(req_id)
         if p is None:  # ended before it was scheduled (aborted while deferred, or refused)
             self._drain_incoming()
             self._gone[transfer_id] = time.monotonic()  # a later registration is refused
+            self._server.forget(transfer_id)
             early = self._early_regs.pop(transfer_id, None)
             if early is not None:  # D registered already: tell it through its data endpoint
                 reg = early[0]
@@ -236,6 +243,8 @@ class PrefillScheduler:
             return True, params
         p.block_ids = [list(b) for b in block_ids]
         p.computed_tokens = p.num_prompt_tokens
+        p.first_token = first_token
+        self._push_first_token(p)
         if p.reg is None:
             p.hold_deadline = time.monotonic() + self._config.registration_timeout_s
         elif not p.final_sent:
@@ -338,6 +347,13 @@ class PrefillScheduler:
                            p.transfer_id, reg.num_tokens, p.num_prompt_tokens)
         if p.finished and not p.released:
             self._flush(p)
+        self._push_first_token(p)
+
+    def _push_first_token(self, p: _Prefill) -> None:
+        """Once the request has finished and D has registered asking for it (either order)."""
+        if p.reg is not None and p.reg.wants_first_token and p.first_token is not None:
+            self._server.push(FirstToken(transfer_id=p.transfer_id, token_id=p.first_token))
+            p.first_token = None  # sent once
 
     def _drain_incoming(self) -> None:
         while True:
@@ -351,6 +367,7 @@ class PrefillScheduler:
                            else p.reg is None and p.released)
                 if gave_up:
                     # acknowledged just as P gave up on it: tell D instead of leaving it waiting
+                    self._server.forget(msg.transfer_id)
                     self._pending.aborts.append((
                         msg.transfer_id, "prefill stopped waiting for this registration",
                         Peer(msg.engine_id, msg.tp_size, list(msg.data_endpoints))))
@@ -366,6 +383,7 @@ class PrefillScheduler:
 
     def _cancel(self, msg: Cancel) -> None:
         self._early_regs.pop(msg.transfer_id, None)
+        self._server.forget(msg.transfer_id)
         p = self._by_tid.get(msg.transfer_id)
         if p is None:
             return
@@ -389,10 +407,12 @@ class PrefillScheduler:
         for tid in [t for t, (_, at) in self._early_regs.items()
                     if now - at > EARLY_REGISTRATION_TTL_S]:
             del self._early_regs[tid]
+            self._server.forget(tid)
         for tid in [t for t, at in self._gone.items() if now - at > EARLY_REGISTRATION_TTL_S]:
             del self._gone[tid]
 
     def _forget(self, p: _Prefill) -> None:
+        self._server.forget(p.transfer_id)
         self._by_req.pop(p.req_id, None)
         self._by_tid.pop(p.transfer_id, None)
         self._gone[p.transfer_id] = time.monotonic()

@@ -105,6 +105,9 @@ class Register(msgspec.Struct, tag=True, kw_only=True):
     """D already holds tokens [0, start_token) (local prefix-cache hit); send from here."""
     num_tokens: int
     """Tokens D needs KV for (prompt length as D sees it)."""
+    wants_first_token: bool = False
+    """D continues from the token P samples after the prompt: P sends it as ``FirstToken``
+    on this connection when its request finishes (``first_token_from_prefill``)."""
 
 
 class Cancel(msgspec.Struct, tag=True, kw_only=True):
@@ -112,6 +115,14 @@ class Cancel(msgspec.Struct, tag=True, kw_only=True):
 
     transfer_id: str
     reason: str
+
+
+class FirstToken(msgspec.Struct, tag=True, kw_only=True):
+    """P -> D, unasked, on the connection that registered ``transfer_id``: the token P's
+    request sampled after the prompt. D appends it to its request and decodes from there."""
+
+    transfer_id: str
+    token_id: int
 
 
 class RegisterAck(msgspec.Struct, tag=True, kw_only=True):
@@ -314,7 +325,7 @@ class TransferAck(msgspec.Struct, tag=True, kw_only=True):
 
 
 Message = Union[
-    Register, Cancel, RegisterAck, Refused, Hello, HelloAck, BlockData, DirectWrite,
+    Register, Cancel, RegisterAck, Refused, FirstToken, Hello, HelloAck, BlockData, DirectWrite,
     WriteGrant, DirectWritten, TransferNearlyDone, TransferDone, TransferAbort, TransferAck,
 ]
 

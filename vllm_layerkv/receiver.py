@@ -13,6 +13,10 @@ layer group. The invariant above then holds through ``wait_early``: the step tha
 request waits, before its forward, until the transfer is closed; if it failed, its blocks are
 reported as load errors in that very step (vLLM then recomputes or fails the request, per
 ``kv_load_failure_policy``). Reported early, a transfer is never reported again.
+
+A transfer whose request continues from P's first token (``RecvTask.wants_first_token``) is
+never reported early, and is closed only once its KV is all here *and* the scheduler has the
+token (``token_arrived``): vLLM must not schedule the request before the token is appended.
 """
 
 from __future__ import annotations
@@ -48,6 +52,10 @@ class _Incoming:
     """When P expects to be done, less the early-release lead (``on_nearly_done``)."""
     early: bool = False
     """Reported to vLLM before it closed (``take_early``)."""
+    wants_token: bool = False
+    has_token: bool = False
+    complete: bool = False
+    """Every source rank is done, but the first token has not come yet (``wants_token``)."""
 
 
 class RecvTable:
@@ -81,7 +89,7 @@ class RecvTable:
         with self._cond:
             inc = _Incoming(req_id=task.req_id, transfer_id=task.transfer_id,
                             allowed_blocks=frozenset(task.block_ids),
-                            t_expected=time.monotonic())
+                            t_expected=time.monotonic(), wants_token=task.wants_first_token)
             self._open[task.transfer_id] = inc
             self._tracer.event("recv_expected", transfer_id=task.transfer_id)
             early = self._aborted_early.pop(task.transfer_id, None)
@@ -97,6 +105,16 @@ class RecvTable:
             inc = self._open.get(transfer_id)
             if inc is not None:
                 self._close_locked(inc, "failed" if failed else "cancelled", reason)
+
+    def token_arrived(self, transfer_id: str) -> None:
+        """The scheduler has P's first token for ``transfer_id``: close it if its KV is in."""
+        with self._cond:
+            inc = self._open.get(transfer_id)
+            if inc is None:
+                return
+            inc.has_token = True
+            if inc.complete:
+                self._close_locked(inc, "ok", "")
 
     def drain(self) -> tuple[set[str], set[str]]:
         """(finished, failed) request ids since the last call; failed ⊆ finished is NOT
@@ -252,7 +270,9 @@ class RecvTable:
                 inc.expected_ranks = set(tp.source_ranks(self.tp_rank, self._tp_size, src_tp,
                                                          self._compat.total_kv_heads))
             inc.done_ranks.add(src_rank)
-            if inc.done_ranks >= inc.expected_ranks:
+            if inc.done_ranks >= inc.expected_ranks and inc.wants_token and not inc.has_token:
+                inc.complete = True  # closed by token_arrived
+            elif inc.done_ranks >= inc.expected_ranks:
                 self._close_locked(inc, "ok", "")
                 if inc.req_id in self._failed:  # closed as failed by another path meanwhile
                     return TransferAck(transfer_id=transfer_id, ok=False,
@@ -264,7 +284,7 @@ class RecvTable:
     def on_nearly_done(self, transfer_id: str, src_rank: int, eta_s: float) -> None:
         with self._cond:
             inc = self._open.get(transfer_id)
-            if inc is None or inc.early:
+            if inc is None or inc.early or inc.wants_token:
                 return
             ready_at = time.monotonic() + eta_s - self._early_lead_s
             inc.ready_at = ready_at if inc.ready_at is None else min(inc.ready_at, ready_at)

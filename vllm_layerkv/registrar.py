@@ -3,10 +3,14 @@
 * ``RegistrationServer`` (P scheduler process): a listener thread plus one thread per D
   connection. Each ``Register`` is checked at once (compatibility, TP) and answered; accepted
   ones are queued for the scheduler thread, which matches them to requests by ``transfer_id``.
+  ``push`` sends a ``FirstToken`` unasked on the connection that registered its transfer, from
+  a thread of its own.
 * ``RegistrationClient`` (D scheduler process): one thread that sends queued messages over
-  persistent connections (one per P endpoint) and queues the answers for the scheduler thread.
+  persistent connections (one per P endpoint), and one reader per connection that queues
+  whatever P sends (answers, first tokens) for the scheduler thread.
 
-Neither ever runs on the scheduler's own thread: a slow or dead peer cannot stall scheduling.
+None of them ever runs on the scheduler's own thread: a slow or dead peer cannot stall
+scheduling.
 """
 
 from __future__ import annotations
@@ -17,10 +21,23 @@ import socket
 import threading
 from collections.abc import Callable
 
-from vllm_layerkv.protocol import Cancel, Message, Refused, Register, RegisterAck
+from vllm_layerkv.protocol import Cancel, FirstToken, Message, Refused, Register, RegisterAck
 from vllm_layerkv.transport import framing
 
 logger = logging.getLogger("vllm.layerkv.registrar")
+
+
+class _Link:
+    """One D connection on P's side: the connection thread answers on it and the push thread
+    sends first tokens on it, one message at a time."""
+
+    def __init__(self, conn: socket.socket):
+        self.conn = conn
+        self.lock = threading.Lock()
+
+    def send(self, msg: Message) -> None:
+        with self.lock:
+            framing.send_message(self.conn, msg)
 
 
 class RegistrationServer:
@@ -32,11 +49,47 @@ class RegistrationServer:
         self._server = framing.listen(host, port)
         self.endpoint = f"{host}:{self._server.getsockname()[1]}"
         self._stop = threading.Event()
+        self._routes: dict[str, _Link] = {}
+        """transfer_id -> the connection that registered it, for transfers whose D wants the
+        first token (until it is pushed or the transfer is forgotten)."""
+        self._routes_lock = threading.Lock()
+        self._pushes: queue.SimpleQueue[tuple[_Link, FirstToken] | None] = queue.SimpleQueue()
         threading.Thread(target=self._accept_loop, name="layerkv-registrar", daemon=True).start()
+        threading.Thread(target=self._push_loop, name="layerkv-registrar-push",
+                         daemon=True).start()
 
     def close(self) -> None:
         self._stop.set()
+        self._pushes.put(None)
         self._server.close()
+
+    def push(self, msg: FirstToken) -> None:
+        """Send ``msg`` to the D that registered its transfer, once. The connection is taken
+        now, so a ``forget`` right after cannot lose it; the sending happens on the push
+        thread (never blocks the caller). Without a connection (gone, or D did not ask) the
+        message is dropped: D's kv_wait_timeout_s then fails its request."""
+        with self._routes_lock:
+            link = self._routes.pop(msg.transfer_id, None)
+        if link is None:
+            logger.warning("transfer %s: no decode connection to send its first token on",
+                           msg.transfer_id)
+            return
+        self._pushes.put((link, msg))
+
+    def forget(self, transfer_id: str) -> None:
+        with self._routes_lock:
+            self._routes.pop(transfer_id, None)
+
+    def _push_loop(self) -> None:
+        while True:
+            entry = self._pushes.get()
+            if entry is None:
+                return
+            link, msg = entry
+            try:
+                link.send(msg)
+            except OSError as e:
+                logger.warning("transfer %s: first token not sent: %s", msg.transfer_id, e)
 
     def _accept_loop(self) -> None:
         while not self._stop.is_set():
@@ -49,33 +102,44 @@ class RegistrationServer:
                              name=f"layerkv-registrar-{addr[1]}").start()
 
     def _serve(self, conn: socket.socket, addr: tuple) -> None:
+        link = _Link(conn)
         try:
             while not self._stop.is_set():
                 msg = framing.recv_message(conn)
                 if isinstance(msg, Register):
-                    framing.send_message(conn, self._on_register(msg))
+                    if msg.wants_first_token:  # before P's scheduler can see the registration
+                        with self._routes_lock:
+                            self._routes[msg.transfer_id] = link
+                    reply = self._on_register(msg)
+                    if isinstance(reply, Refused):
+                        self.forget(msg.transfer_id)
+                    link.send(reply)
                 elif isinstance(msg, Cancel):
                     self._on_cancel(msg)
                 else:
-                    framing.send_message(conn, Refused(
-                        transfer_id="", reason=f"unexpected {type(msg).__name__}"))
+                    link.send(Refused(transfer_id="", reason=f"unexpected {type(msg).__name__}"))
         except (framing.PeerClosed, OSError):
             pass
         except Exception:  # noqa: BLE001 - thread boundary: log, drop the connection
             logger.exception("LayerKV registration connection from %s failed", addr)
         finally:
+            with self._routes_lock:
+                for tid in [t for t, lk in self._routes.items() if lk is link]:
+                    del self._routes[tid]
             conn.close()
 
 
 class RegistrationClient:
-    """Sends Register/Cancel to prefill schedulers; answers come back through ``replies``."""
+    """Sends Register/Cancel to prefill schedulers; what P sends back (answers, first tokens)
+    comes through ``replies``."""
 
     def __init__(self, connect_timeout: float, io_timeout: float):
         self._connect_timeout = connect_timeout
         self._io_timeout = io_timeout
         self._outbox: queue.SimpleQueue[tuple[str, Message] | None] = queue.SimpleQueue()
-        self.replies: queue.SimpleQueue[RegisterAck | Refused] = queue.SimpleQueue()
-        self._conns: dict[str, socket.socket] = {}
+        self.replies: queue.SimpleQueue[RegisterAck | Refused | FirstToken] = queue.SimpleQueue()
+        self._conns: dict[str, tuple[socket.socket, queue.SimpleQueue]] = {}
+        """endpoint -> (connection, the answers its reader hands to ``_exchange``)."""
         self._thread = threading.Thread(target=self._run, name="layerkv-register-client",
                                         daemon=True)
         self._thread.start()
@@ -105,23 +169,57 @@ class RegistrationClient:
 
     def _exchange(self, endpoint: str, msg: Message) -> Message | None:
         for attempt in (0, 1):  # a cached connection may have gone stale: retry once fresh
-            conn = self._conns.get(endpoint)
-            if conn is None:
-                conn = framing.connect(endpoint, self._connect_timeout)
-                conn.settimeout(self._io_timeout)
-                self._conns[endpoint] = conn
+            conn, answers = self._connection(endpoint)
             try:
                 framing.send_message(conn, msg)
                 if isinstance(msg, Cancel):
                     return None
-                return framing.recv_message(conn)
+                try:
+                    answer = answers.get(timeout=self._io_timeout)
+                except queue.Empty:
+                    raise TimeoutError(f"no answer within io_timeout_s={self._io_timeout:.0f} "
+                                       "s") from None
+                if isinstance(answer, Exception):
+                    raise answer
+                return answer
             except (OSError, framing.PeerClosed):
                 self._drop(endpoint)
                 if attempt:
                     raise
         return None
 
+    def _connection(self, endpoint: str) -> tuple[socket.socket, queue.SimpleQueue]:
+        entry = self._conns.get(endpoint)
+        if entry is None:
+            conn = framing.connect(endpoint, self._connect_timeout)
+            conn.settimeout(None)  # the reader blocks; answers are awaited with io_timeout
+            entry = (conn, queue.SimpleQueue())
+            self._conns[endpoint] = entry
+            threading.Thread(target=self._read, args=(endpoint, *entry), daemon=True,
+                             name="layerkv-register-reader").start()
+        return entry
+
+    def _read(self, endpoint: str, conn: socket.socket, answers: queue.SimpleQueue) -> None:
+        """Everything P sends on one connection: first tokens go straight to the scheduler,
+        answers to the exchange that waits for them. Ends when the connection closes."""
+        try:
+            while True:
+                msg = framing.recv_message(conn)
+                if isinstance(msg, FirstToken):
+                    self.replies.put(msg)
+                else:
+                    answers.put(msg)
+        except OSError as e:  # framing.PeerClosed included
+            answers.put(e)
+        except Exception as e:  # noqa: BLE001 - thread boundary: the exchange reports it
+            logger.exception("LayerKV registration connection to %s failed", endpoint)
+            answers.put(OSError(f"undecodable answer: {e}"))
+
     def _drop(self, endpoint: str) -> None:
-        conn = self._conns.pop(endpoint, None)
-        if conn is not None:
-            conn.close()
+        entry = self._conns.pop(endpoint, None)
+        if entry is not None:
+            try:
+                entry[0].shutdown(socket.SHUT_RDWR)  # wakes its reader
+            except OSError:
+                pass
+            entry[0].close()

@@ -2,7 +2,9 @@
 
 Prefill:  {"do_remote_decode": true, "transfer_id": "<id>"}
 Decode:   {"do_remote_prefill": true, "transfer_id": "<id>", "remote_host": "<P host>",
-           "remote_port": <P registration port>}
+           "remote_port": <P registration port>, "first_token_from_prefill": false}
+          (``first_token_from_prefill``: D continues from the token P samples after the prompt,
+          which the proxy has already sent to the client; docs/proxy.md)
 Discovery (proxy start-up): {"layerkv_discover": true} on a prefill instance; its response
 carries {"layerkv_endpoint": "host:port"}.
 
@@ -32,6 +34,7 @@ class PrefillParams:
 class DecodeParams:
     transfer_id: str
     remote_endpoint: str
+    first_token_from_prefill: bool = False
 
 
 @dataclass(frozen=True)
@@ -74,4 +77,8 @@ def parse(params: Any) -> Parsed:
     if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
         raise ParamsError("kv_transfer_params.remote_port must be the prefill instance's LayerKV "
                           f"registration port (1-65535), got {port!r}")
-    return DecodeParams(tid, f"{host}:{port}")
+    first = params.get("first_token_from_prefill", False)
+    if not isinstance(first, bool):
+        raise ParamsError("kv_transfer_params.first_token_from_prefill must be true or false, "
+                          f"got {first!r}")
+    return DecodeParams(tid, f"{host}:{port}", first)

@@ -121,8 +121,11 @@ class LayerKVScheduler:
                            "role": self._role_name}
         if isinstance(params, PrefillParams) and self._prefill is not None:
             complete = request.num_computed_tokens >= request.num_prompt_tokens
+            # with Mamba backoff P's prompt is cut short: its token is no first token
+            outputs = request.output_token_ids
+            first = outputs[0] if outputs and not self._backoff else None
             return self._prefill.request_finished(req_id, params.transfer_id,
-                                                  [list(b) for b in block_ids], complete)
+                                                  [list(b) for b in block_ids], complete, first)
         if isinstance(params, DecodeParams) and self._decode is not None:
             self._decode.request_finished(req_id)
         return False, None
@@ -131,6 +134,7 @@ class LayerKVScheduler:
         if self._prefill is not None and output.finished_sending:
             self._prefill.finished_sending(set(output.finished_sending))
         if self._decode is not None and output.finished_recving:
+            # before vLLM readies these requests: a first token from P is appended here
             self._decode.finished_recving(set(output.finished_recving))
 
     def has_pending_push_work(self) -> bool:

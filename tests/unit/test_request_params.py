@@ -111,3 +111,15 @@ def test_error_message_truncates_huge_values() -> None:
 
 def test_params_error_is_value_error() -> None:
     assert issubclass(ParamsError, ValueError)
+
+
+def test_first_token_from_prefill() -> None:
+    assert parse(DECODE).first_token_from_prefill is False
+    assert parse({**DECODE, "first_token_from_prefill": True}) == DecodeParams(
+        "abc", "10.0.0.5:7000", first_token_from_prefill=True)
+
+
+@pytest.mark.parametrize("value", ["true", 1, None])
+def test_first_token_from_prefill_must_be_a_bool(value: object) -> None:
+    with pytest.raises(ParamsError, match="first_token_from_prefill must be true or false"):
+        parse({**DECODE, "first_token_from_prefill": value})

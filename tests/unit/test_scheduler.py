@@ -885,3 +885,52 @@ def test_prefill_announces_the_end_after_the_penultimate_group_of_the_last_chunk
     assert order[nearly[0] + 1] == ("group_send_start", final_step, 2)
     eta = next(e["eta"] for e in events if e["ev"] == "nearly_done_sent")
     assert 0 <= eta < 5
+
+
+# ----------------------------------------------------------------------------- first token
+
+
+def test_decode_continues_from_the_first_token_prefill_sampled(engines) -> None:
+    """first_token_from_prefill: P sends the token it sampled after the prompt, D reports the
+    request only once it has both KV and token, and vLLM schedules the request with that token
+    appended to its prompt: D computes exactly that one token and samples the next."""
+    p = engines("kv_producer", P_EXTRA, max_num_batched_tokens=CHUNK)
+    d = engines("kv_consumer")
+    p.sampled_token = 4321  # what P's request samples after the prompt
+    endpoint = p.endpoint
+    shift_block_ids(d)
+    prompt = 150
+    rd = create_request(prompt, {**decode_params("ft", endpoint),
+                                 "first_token_from_prefill": True}, max_tokens=3, seed=6)
+    prompt_ids = list(rd.prompt_token_ids)
+    d.scheduler.add_request(rd)
+    rec = d.step()
+    assert rec.meta.recvs == [RecvTask(rd.request_id, "ft", d.block_ids(rd.request_id), True)]
+    d_blocks = d.block_ids(rd.request_id)
+    rp = create_request(prompt, {"do_remote_decode": True, "transfer_id": "ft"}, seed=6)
+    p.scheduler.add_request(rp)
+    p.run_until(lambda: rp.request_id in p.finished, others=(d,))
+
+    # D's first scheduled step: the prompt plus P's token, everything but that token computed
+    deadline = time.monotonic() + 10
+    while True:
+        assert time.monotonic() < deadline, "decode never scheduled the request"
+        so = d.scheduler.schedule()
+        new = [r for r in so.scheduled_new_reqs if r.req_id == rd.request_id]
+        if new:
+            break
+        d.execute(so)
+        p.step()
+        time.sleep(0.001)
+    assert new[0].prompt_token_ids == prompt_ids + [4321]
+    assert new[0].num_computed_tokens == prompt
+    assert so.num_scheduled_tokens[rd.request_id] == 1
+    assert sum(1 for r in d.history for t in r.meta.first_tokens if t == "ft") == 1
+    d.execute(so)
+    for layer in range(NUM_LAYERS):  # the prompt's KV is P's
+        rows = d.token_rows(layer, d_blocks, prompt)[:, 0, 0]
+        assert torch.equal(rows, torch.tensor([kv_value(t, layer, salt(rp))
+                                               for t in range(prompt)])), layer
+    run_both_until_idle(p, d)
+    assert rd.num_output_tokens == 3 and rd.num_prompt_tokens == prompt + 1
+

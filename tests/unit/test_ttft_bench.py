@@ -208,3 +208,15 @@ def test_a_point_keeps_per_token_times_but_not_the_generated_texts(tmp_path) -> 
     assert saved["itls"] == [[0.01, 0.01], [0.01, 0.01]]
     steps = ttft_bench.summarize(result)["steps"]
     assert steps["gaps"] == 4 and steps["median_steady_itl_ms"] == 10.0
+
+
+def test_layerkv_ft_runs_the_proxy_with_the_first_token_from_prefill(tmp_path) -> None:
+    args = argparse.Namespace(device="cpu", num_gpus=2, gpu_memory_utilization=0.85,
+                              load_format=None, model="/m", cuda_graphs=False, dtype=None,
+                              max_model_len=2048, max_num_batched_tokens=None, max_num_seqs=8,
+                              no_prefix_caching=False, trace=False)
+    ft = ttft_bench.deploy(ttft_bench.parse_config("layerkv-ft"), args, tmp_path)
+    plain = ttft_bench.deploy(ttft_bench.parse_config("layerkv"), args, tmp_path)
+    assert ft.proxy_cmd is not None and plain.proxy_cmd is not None
+    assert ft.proxy_cmd[-1] == "--first-token-from-prefill"
+    assert "--first-token-from-prefill" not in plain.proxy_cmd

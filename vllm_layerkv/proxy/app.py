@@ -37,7 +37,8 @@ from vllm_layerkv.proxy.errors import (
     encode_json,
     error_response,
 )
-from vllm_layerkv.proxy.relay import ClientGone, StreamRelay
+from vllm_layerkv.proxy.first_token import PrefillToken, UsagePlusOne, ineligible
+from vllm_layerkv.proxy.relay import ClientGone, StreamRelay, open_stream
 from vllm_layerkv.trace import Tracer
 
 logger = logging.getLogger("vllm_layerkv.proxy")
@@ -83,6 +84,15 @@ async def _cancel_and_wait(tasks: Iterable[asyncio.Task[Any] | None]) -> None:
                     res.close()
 
 
+def _close_unrelayed(task: asyncio.Task[Any]) -> None:
+    """Close D's stream if nothing relayed it (the answer ended at P's token, or the client
+    left): closing the connection is what makes vLLM abort the request."""
+    if task.done() and not task.cancelled() and task.exception() is None:
+        res = task.result()
+        if isinstance(res, aiohttp.ClientResponse):
+            res.close()
+
+
 def _answered_ok(task: asyncio.Task[Any]) -> bool:
     """A finished upstream task holding a complete 200 reply. An open stream does not count:
     its tokens still depend on the KV from P."""
@@ -97,8 +107,12 @@ class ProxyApp:
 
     def __init__(self, prefill: Sequence[Backend], decode: Sequence[Backend], *,
                  startup_timeout: float = 600.0, connect_timeout: float = 10.0,
-                 api_key: str | None = None, trace_path: str = "") -> None:
+                 api_key: str | None = None, trace_path: str = "",
+                 first_token_from_prefill: bool = False) -> None:
         self.prefill = RoundRobin(prefill)
+        self.first_token_from_prefill = first_token_from_prefill
+        """Answer eligible requests with P's token first; D continues from it
+        (first_token.py)."""
         self.tracer = Tracer(trace_path, "proxy", 0)
         """Per-request timestamps (arrival, D's first bytes, end) by transfer_id, for
         the TTFT profile (benchmarks/profile_trace.py); off unless --trace is given."""
@@ -357,6 +371,11 @@ class ProxyApp:
         tid = uuid.uuid4().hex
         if needs_prompt_logprobs(body, chat):
             return await self._serve_prefill_only(request, raw, tid)
+        if self.first_token_from_prefill:
+            why_not = ineligible(body, chat)
+            if why_not is None:
+                return await self._serve_pd(request, body, chat, tid, first_token=True)
+            logger.debug("request %s: D makes the first token itself: %s", tid, why_not)
         return await self._serve_pd(request, body, chat, tid)
 
     async def _serve_prefill_only(self, request: web.Request, raw: bytes, tid: str
@@ -394,8 +413,8 @@ class ProxyApp:
         assert relay.response is not None
         return relay.response
 
-    async def _serve_pd(self, request: web.Request, body: dict[str, Any], chat: bool, tid: str
-                        ) -> web.StreamResponse:
+    async def _serve_pd(self, request: web.Request, body: dict[str, Any], chat: bool, tid: str,
+                        first_token: bool = False) -> web.StreamResponse:
         p = self.prefill.next()
         d = self.decode.next()
         await self.wait_ready()  # no-op once start-up discovery is over
@@ -413,9 +432,23 @@ class ProxyApp:
         self.tracer.event("proxy_in", transfer_id=tid)
         # Both in flight at once: D registers with P while P prefills (see module docstring).
         p_task = asyncio.create_task(self._send(
-            p, request.path, encode_json(prefill_body(body, tid, chat)), headers, False))
+            p, request.path, encode_json(prefill_body(body, tid, chat, first_token)), headers,
+            False))
         d_task = asyncio.create_task(self._send(
-            d, request.path, encode_json(decode_body(body, tid, host, port)), headers, True))
+            d, request.path, encode_json(decode_body(body, tid, host, port, first_token)),
+            headers, True))
+        if first_token:
+            try:
+                return await self._answer_from_prefill_first(request, body, tid, d, p_task,
+                                                             d_task)
+            except ClientGone:
+                logger.debug("request %s: client disconnected", tid)
+                return web.Response(status=499)  # nobody reads it
+            finally:
+                self.tracer.event("proxy_out", transfer_id=tid)
+                self.tracer.flush()
+                await _cancel_and_wait([p_task, d_task])
+                _close_unrelayed(d_task)
         relay_task: asyncio.Task[None] | None = None
         keep_prefill = False  # True once D has succeeded: P may finish in the background
         try:
@@ -476,6 +509,78 @@ class ProxyApp:
                 await _cancel_and_wait([d_task, relay_task])
             else:
                 await _cancel_and_wait([p_task, d_task, relay_task])
+
+    async def _answer_from_prefill_first(self, request: web.Request, body: dict[str, Any],
+                                         tid: str, d: Backend, p_task: asyncio.Task[Any],
+                                         d_task: asyncio.Task[Any]) -> web.StreamResponse:
+        """first_token_from_prefill: P's token is the client's first token, D's answer the rest
+        (D's connector appends P's token to D's prompt). P answers first: D needs P's KV and
+        token before it can make anything."""
+        out_headers = {"X-Request-Id": tid}
+        pending: set[asyncio.Task[Any]] = {p_task, d_task}
+        while p_task in pending:  # until P answers; D failing first fails the request
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            if d_task in done and p_task in pending:
+                try:
+                    d_res = d_task.result()
+                except UpstreamError as e:
+                    return e.response(out_headers)
+                if isinstance(d_res, UpstreamReply) and d_res.status != 200:
+                    return d_res.response(out_headers)
+        failure = self._prefill_failure(p_task)
+        if failure is not None:
+            return failure.response(out_headers)
+        try:
+            first = PrefillToken.parse(p_task.result().body)
+        except (ValueError, KeyError, IndexError, TypeError) as e:
+            return UpstreamError(None, f"prefill answer without a token: {e}").response(
+                out_headers)
+        self.tracer.event("proxy_p_token", transfer_id=tid)
+        stream = bool(body.get("stream"))
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        if first.ends_answer:  # P stopped at its token: D (cancelled on return) adds nothing
+            if not stream:
+                return web.Response(body=first.as_answer(), headers={
+                    "Content-Type": "application/json", **out_headers})
+            response = await open_stream(request, 200, "text/event-stream", out_headers)
+            try:
+                await response.write(first.first_chunk(final=True) +
+                                     first.final_events(include_usage))
+            except (ConnectionError, RuntimeError):
+                pass  # the client is gone
+            return response
+        if not stream:
+            try:
+                d_res = await d_task
+            except UpstreamError as e:
+                return e.response(out_headers)
+            assert isinstance(d_res, UpstreamReply)
+            if d_res.status != 200:
+                return d_res.response(out_headers)
+            return web.Response(body=first.merge_reply(d_res.body), headers={
+                "Content-Type": "application/json", **out_headers})
+
+        response = await open_stream(request, 200, "text/event-stream", out_headers)
+        try:
+            await response.write(first.first_chunk(final=False))
+        except (ConnectionError, RuntimeError):
+            return response  # the client is gone; D is cancelled on return
+        try:
+            d_res = await d_task
+        except UpstreamError as e:
+            d_res = UpstreamReply(e.backend, e.status, encode_json({"error": {
+                "message": str(e), "type": "bad_gateway"}}), "application/json")
+        if isinstance(d_res, UpstreamReply):  # D answered with an error after P's token
+            msg, type_ = d_res.error_message()
+            await StreamRelay.finish(response, d_res.status, f"decode failed: {msg}", type_)
+            return response
+        relay = StreamRelay(request, d_res, d, out_headers, response=response,
+                            edit=UsagePlusOne())
+        relay_task = asyncio.create_task(relay.run())
+        try:
+            return await self._await_relay(relay, relay_task, tid)
+        finally:
+            await _cancel_and_wait([relay_task])
 
     async def handle_models(self, request: web.Request) -> web.StreamResponse:
         d = self.decode.next()
@@ -563,7 +668,8 @@ PROXY_KEY = web.AppKey("layerkv_proxy", ProxyApp)
 
 def build_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], *,
               startup_timeout: float = 600.0, connect_timeout: float = 10.0,
-              api_key: str | None = None, trace_path: str = "") -> web.Application:
+              api_key: str | None = None, trace_path: str = "",
+              first_token_from_prefill: bool = False) -> web.Application:
     """The proxy as an aiohttp application (``app[PROXY_KEY]`` is its ProxyApp).
 
     Run it with ``handler_cancellation=True`` (``run_proxy`` and aiohttp's TestServer do) so a
@@ -574,7 +680,8 @@ def build_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], *,
     prefill = [parse_backend_url(u, "prefill") for u in prefill_urls]
     decode = [parse_backend_url(u, "decode") for u in decode_urls]
     proxy = ProxyApp(prefill, decode, startup_timeout=startup_timeout,
-                     connect_timeout=connect_timeout, api_key=api_key, trace_path=trace_path)
+                     connect_timeout=connect_timeout, api_key=api_key, trace_path=trace_path,
+                     first_token_from_prefill=first_token_from_prefill)
     app = web.Application(middlewares=[_error_middleware], client_max_size=MAX_REQUEST_BYTES)
     app[PROXY_KEY] = proxy
     app.on_startup.append(proxy.on_startup)
@@ -594,7 +701,9 @@ def run_proxy(args: Any) -> None:
     """
     app = build_app(args.prefill, args.decode, startup_timeout=args.timeout,
                     api_key=os.environ.get("VLLM_API_KEY") or None,
-                    trace_path=getattr(args, "trace", "") or "")
+                    trace_path=getattr(args, "trace", "") or "",
+                    first_token_from_prefill=bool(getattr(args, "first_token_from_prefill",
+                                                          False)))
     proxy = app[PROXY_KEY]
     logger.info("LayerKV proxy on http://%s:%d  prefill: %s  decode: %s", args.host, args.port,
                 " ".join(b.url for b in proxy.prefill.items),

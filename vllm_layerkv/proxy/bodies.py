@@ -8,6 +8,8 @@ import json
 from typing import Any
 
 from vllm_layerkv.proxy.errors import BadRequest
+from vllm_layerkv.proxy.first_token import FLAG as FIRST_TOKEN_FLAG
+from vllm_layerkv.proxy.first_token import decode_limits
 
 COMPLETIONS_PATH = "/v1/completions"
 CHAT_PATH = "/v1/chat/completions"
@@ -50,8 +52,11 @@ def needs_prompt_logprobs(body: dict[str, Any], chat: bool) -> bool:
     return (not chat) and bool(body.get("echo")) and body.get("logprobs") is not None
 
 
-def prefill_body(body: dict[str, Any], transfer_id: str, chat: bool) -> dict[str, Any]:
-    """The body sent to P: prefill the prompt, generate one token, keep the KV for D."""
+def prefill_body(body: dict[str, Any], transfer_id: str, chat: bool,
+                 first_token: bool = False) -> dict[str, Any]:
+    """The body sent to P: prefill the prompt, generate one token, keep the KV for D.
+    ``first_token``: that token is the client's (first_token.py), so P samples it exactly as
+    the client asked, min_tokens included."""
     p = dict(body)
     p["max_tokens"] = 1
     if chat and "max_completion_tokens" in p:
@@ -61,14 +66,21 @@ def prefill_body(body: dict[str, Any], transfer_id: str, chat: bool) -> dict[str
     # best_of >= n sampling is D's business (P makes exactly one sequence).
     for key in ("stream_options", "min_tokens", "best_of"):
         p.pop(key, None)
+    if first_token and isinstance(body.get("min_tokens"), int) and body["min_tokens"] > 0:
+        p["min_tokens"] = 1  # no EOS as the first token, as on a single instance
     p["n"] = 1
     p["kv_transfer_params"] = {"do_remote_decode": True, "transfer_id": transfer_id}
     return p
 
 
-def decode_body(body: dict[str, Any], transfer_id: str, host: str, port: int) -> dict[str, Any]:
-    """The body sent to D: the client's request, plus where its KV comes from."""
+def decode_body(body: dict[str, Any], transfer_id: str, host: str, port: int,
+                first_token: bool = False) -> dict[str, Any]:
+    """The body sent to D: the client's request, plus where its KV comes from.
+    ``first_token``: D continues from P's token, so it makes one token fewer."""
     d = dict(body)
     d["kv_transfer_params"] = {"do_remote_prefill": True, "transfer_id": transfer_id,
                                "remote_host": host, "remote_port": port}
+    if first_token:
+        d.update(decode_limits(body))
+        d["kv_transfer_params"][FIRST_TOKEN_FLAG] = True
     return d

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Callable
+from typing import Callable, Protocol
 
 import aiohttp
 from aiohttp import web
@@ -16,26 +16,54 @@ class ClientGone(Exception):
     """Writing to the client failed: it disconnected."""
 
 
+class StreamEdit(Protocol):
+    """Rewrites a stream on its way through (first_token.UsagePlusOne)."""
+
+    def feed(self, data: bytes) -> bytes: ...
+
+    def flush(self) -> bytes: ...
+
+
+async def open_stream(request: web.Request, status: int, content_type: str,
+                      headers: dict[str, str]) -> web.StreamResponse:
+    """The client's streamed response, headers sent."""
+    response = web.StreamResponse(status=status, headers={
+        "Content-Type": content_type, "Cache-Control": "no-cache", **headers})
+    try:
+        await response.prepare(request)
+    except (ConnectionError, RuntimeError) as e:
+        raise ClientGone(str(e)) from None
+    return response
+
+
 class StreamRelay:
     """Copies an upstream SSE response to the client chunk by chunk.
 
     The client response is only prepared when the first upstream chunk is in hand, so that an
     error that happens before anything was streamed (e.g. P fails while D waits for the KV) can
-    still be returned with its real HTTP status.
+    still be returned with its real HTTP status; unless ``response`` is one already under way
+    (P's first token went out on it). ``edit`` rewrites the stream on its way through.
     """
 
     def __init__(self, request: web.Request, upstream: aiohttp.ClientResponse,
                  backend: Backend, headers: dict[str, str],
-                 on_first: Callable[[], None] | None = None) -> None:
+                 on_first: Callable[[], None] | None = None,
+                 response: web.StreamResponse | None = None,
+                 edit: StreamEdit | None = None) -> None:
         self.on_first = on_first
         self.request = request
         self.upstream = upstream
         self.backend = backend
         self.headers = headers
-        self.response: web.StreamResponse | None = None
+        self.response = response
+        self.edit = edit
 
-    async def _write(self, data: bytes) -> None:
+    async def _write(self, data: bytes, edited: bool = False) -> None:
         assert self.response is not None
+        if self.edit is not None and not edited:
+            data = self.edit.feed(data)
+        if not data:
+            return
         try:
             await self.response.write(data)
         except (ConnectionError, RuntimeError) as e:  # RuntimeError: "transport is closing"
@@ -47,19 +75,18 @@ class StreamRelay:
             first = await up.content.readany()
             if self.on_first is not None:
                 self.on_first()
-            self.response = web.StreamResponse(status=up.status, headers={
-                "Content-Type": up.headers.get("Content-Type", "text/event-stream"),
-                "Cache-Control": "no-cache", **self.headers})
-            try:
-                await self.response.prepare(self.request)
-            except (ConnectionError, RuntimeError) as e:
-                raise ClientGone(str(e)) from None
+            if self.response is None:
+                self.response = await open_stream(
+                    self.request, up.status,
+                    up.headers.get("Content-Type", "text/event-stream"), self.headers)
             if first:
                 await self._write(first)
             # iter_any yields whatever has arrived, so each upstream chunk is forwarded (and
             # written to the socket) as soon as it is read: no buffering that would skew TTFT.
             async for chunk in up.content.iter_any():
                 await self._write(chunk)
+            if self.edit is not None:
+                await self._write(self.edit.flush(), edited=True)
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             raise UpstreamError(self.backend, f"{self.backend} broke off its response "
                                 f"stream: {e!r}") from None
@@ -72,8 +99,13 @@ class StreamRelay:
     async def finish_with_error(self, status: int, message: str, type_: str) -> None:
         """End an already started stream with an SSE error event (what vLLM does itself)."""
         assert self.response is not None
+        await self.finish(self.response, status, message, type_)
+
+    @staticmethod
+    async def finish(response: web.StreamResponse, status: int, message: str,
+                     type_: str) -> None:
         try:
-            await self.response.write(sse_error(status, message, type_))
-            await self.response.write_eof()
+            await response.write(sse_error(status, message, type_))
+            await response.write_eof()
         except (ConnectionError, RuntimeError):
             pass

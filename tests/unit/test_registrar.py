@@ -1,0 +1,96 @@
+"""registrar.py: the schedulers' control channel. Answers come back to D through ``replies``;
+P can also send a ``FirstToken`` unasked on the connection that registered the transfer, and D
+reads it while it sends nothing itself."""
+
+from __future__ import annotations
+
+import queue
+
+import pytest
+from kv_sides import compat
+
+from vllm_layerkv.protocol import Cancel, FirstToken, Refused, Register, RegisterAck
+from vllm_layerkv.registrar import RegistrationClient, RegistrationServer
+
+
+def register(tid: str, wants_first_token: bool = True) -> Register:
+    return Register(transfer_id=tid, engine_id="d", compat=compat(), tp_size=1,
+                    data_endpoints=["127.0.0.1:1"], block_ids=[[1]], start_token=0,
+                    num_tokens=8, wants_first_token=wants_first_token)
+
+
+@pytest.fixture
+def pd():
+    """(P's server, what it received, D's client); P refuses transfer ids starting 'bad'."""
+    got: queue.SimpleQueue = queue.SimpleQueue()
+
+    def on_register(reg: Register) -> RegisterAck | Refused:
+        got.put(reg)
+        if reg.transfer_id.startswith("bad"):
+            return Refused(transfer_id=reg.transfer_id, reason="no")
+        return RegisterAck(transfer_id=reg.transfer_id, tp_size=1)
+
+    server = RegistrationServer("127.0.0.1", 0, on_register, got.put)
+    client = RegistrationClient(connect_timeout=2, io_timeout=2)
+    yield server, got, client
+    client.close()
+    server.close()
+
+
+def test_answer_then_first_token_on_an_idle_connection(pd) -> None:
+    server, got, client = pd
+    client.send(server.endpoint, register("t1"))
+    assert client.replies.get(timeout=5) == RegisterAck(transfer_id="t1", tp_size=1)
+    server.push(FirstToken(transfer_id="t1", token_id=42))  # D sends nothing meanwhile
+    assert client.replies.get(timeout=5) == FirstToken(transfer_id="t1", token_id=42)
+    server.push(FirstToken(transfer_id="t1", token_id=43))  # sent once: the route is gone
+    client.send(server.endpoint, register("t2"))
+    assert client.replies.get(timeout=5) == RegisterAck(transfer_id="t2", tp_size=1)
+    with pytest.raises(queue.Empty):
+        client.replies.get(timeout=0.3)
+
+
+def test_no_first_token_unless_asked_refused_or_forgotten(pd) -> None:
+    server, got, client = pd
+    client.send(server.endpoint, register("plain", wants_first_token=False))
+    client.send(server.endpoint, register("bad1"))
+    client.send(server.endpoint, register("gone"))
+    assert [client.replies.get(timeout=5).transfer_id for _ in range(3)] == [
+        "plain", "bad1", "gone"]
+    server.forget("gone")
+    for tid in ("plain", "bad1", "gone"):
+        server.push(FirstToken(transfer_id=tid, token_id=1))
+    client.send(server.endpoint, Cancel(transfer_id="plain", reason="x"))
+    client.send(server.endpoint, register("last"))
+    assert client.replies.get(timeout=5) == RegisterAck(transfer_id="last", tp_size=1)
+    with pytest.raises(queue.Empty):
+        client.replies.get(timeout=0.3)
+
+
+def test_unreachable_prefill_is_refused_with_the_endpoint(pd) -> None:
+    _, _, client = pd
+    client.send("127.0.0.1:1", register("t1"))
+    reply = client.replies.get(timeout=10)
+    assert isinstance(reply, Refused) and "127.0.0.1:1" in reply.reason
+
+
+def test_a_dropped_connection_is_reopened_for_the_next_registration(pd) -> None:
+    server, got, client = pd
+    client.send(server.endpoint, register("t1"))
+    assert client.replies.get(timeout=5).transfer_id == "t1"
+    ((conn, _),) = client._conns.values()  # noqa: SLF001 - the cached connection, cut by hand
+    conn.close()
+    client.send(server.endpoint, register("t2"))
+    assert client.replies.get(timeout=5) == RegisterAck(transfer_id="t2", tp_size=1)
+
+
+def test_a_pushed_token_survives_the_transfer_being_forgotten_right_after(pd) -> None:
+    """P's scheduler forgets a transfer once its KV is acknowledged, which can come before the
+    push thread has sent the token (seen end to end on 2 cores: D waited until its
+    kv_wait_timeout_s)."""
+    server, got, client = pd
+    client.send(server.endpoint, register("t1"))
+    assert client.replies.get(timeout=5).transfer_id == "t1"
+    server.push(FirstToken(transfer_id="t1", token_id=42))
+    server.forget("t1")
+    assert client.replies.get(timeout=5) == FirstToken(transfer_id="t1", token_id=42)
