@@ -1,5 +1,10 @@
 """One real CPU P/D cluster (reference, prefill, decode, proxy) shared by every e2e test: CPU
-vLLM servers take ~40 s and ~3.5 GiB each to start, so they are started once per session."""
+vLLM servers take ~40 s and ~3.5 GiB each to start, so they are started once per session.
+
+It stays up from the first test that uses it to the end. Test files with clusters of their
+own that must not overlap it (test_hybrid_e2e.py) sort before every file that uses it: a
+file named test_first_*.py once started it first, and the 2-core, 24 GiB CI machine ran
+out of memory with six servers up."""
 
 from __future__ import annotations
 

@@ -101,3 +101,12 @@ def test_a_stopped_server_leaves_no_socket_or_shared_memory_file(tmp_path, monke
     server.stop(grace=5)
     assert not sock.exists() and not sock.parent.exists()
     assert not shm.exists()
+
+
+def test_free_port_never_hands_out_a_port_twice() -> None:
+    """The kernel can return one port to bind-to-0 twice while nothing listens on it, and two
+    vLLM servers (SO_REUSEPORT) would then share it."""
+    from vllm_layerkv.testing.servers import free_port
+
+    ports = [free_port() for _ in range(300)]
+    assert len(set(ports)) == len(ports)

@@ -81,12 +81,23 @@ class ServerError(RuntimeError):
 # --------------------------------------------------------------------------------------------
 
 
+_PORTS_GIVEN: set[int] = set()
+
+
 def free_port(host: str = LOCALHOST) -> int:
-    """A TCP port that is free right now (the usual bind-to-0 trick; racy, but fine in tests)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A TCP port that is free right now (the bind-to-0 trick), and never one this process has
+    handed out before. The kernel may give the same port twice while nothing listens on it
+    yet, and vLLM's API server binds with SO_REUSEPORT, so two servers started on one port
+    both come up and share its requests (seen in CI: a prefill instance got decode requests)."""
+    for _ in range(100):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        if port not in _PORTS_GIVEN:
+            _PORTS_GIVEN.add(port)
+            return port
+    raise RuntimeError("no free TCP port that was not handed out already")
 
 
 def cpu_list() -> list[int]:
