@@ -15,6 +15,13 @@ single instance it also runs the new request's prefill. The rest are **steady** 
 only. If a configuration's decode is slow only in join steps, its cost is in taking requests
 in; if steady steps are slow too, it is in every step.
 
+With the first token from P (``layerkv-ft``, proxy ``--first-token-from-prefill``) a request's
+first token is P's, not D's: the step that takes it into D's batch gives it its *second* token.
+There, ``join_token=1`` (``--join-token 1``) marks joins by other requests' second tokens, and
+each request's first gap (P's token to D's, the hand-over, not a step) counts as neither kind.
+With the default (0) a ``layerkv-ft`` result has its joins in the wrong gaps: the sixteenth
+session's "join steps as fast as steady ones" came from that.
+
 ``vllm bench serve`` records one gap per streamed chunk. A chunk that carries several tokens
 (the server, the proxy or the client fell behind and read them together) gives one longer gap
 instead of several; ``merged_tokens`` counts the tokens that came that way. On the GPU hosts it
@@ -22,7 +29,7 @@ is normally 0; on the 2-core CI machine it is not, so a gap there is not always 
 
 Usage:
     python benchmarks/itl_timeline.py RESULT.json[.gz] [RESULT.json ...] [--window 1.0]
-        [--plot itl_timeline.png]
+        [--join-token 0|1] [--plot itl_timeline.png]
 """
 
 from __future__ import annotations
@@ -65,21 +72,26 @@ def token_times(result: dict[str, Any]) -> list[list[float]]:
     return requests
 
 
-def gaps(requests: list[list[float]], slack: float = JOIN_SLACK
+def gaps(requests: list[list[float]], slack: float = JOIN_SLACK, join_token: int = 0
          ) -> list[tuple[float, float, bool]]:
-    """Every gap between two tokens of one request: (end time, length s, join?). A gap (a, b]
-    is a join gap if another request's first token arrived in (a + s, b + s], s being ``slack``
-    times the median gap (see the module docstring and JOIN_SLACK)."""
-    pairs = [(a, b) for times in requests for a, b in zip(times, times[1:])]
+    """Every gap between two tokens of one request that D's steps made: (end time, length s,
+    join?). A gap (a, b] is a join gap if another request's token number ``join_token`` (the
+    one D's admitting step gives it) arrived in (a + s, b + s], s being ``slack`` times the
+    median gap (see the module docstring and JOIN_SLACK). A request's first ``join_token`` gaps
+    come before D's first token for it, and are left out."""
+    if join_token < 0:
+        raise ValueError(f"join_token must be 0 or more, not {join_token}")
+    pairs = [(a, b) for times in requests
+             for a, b in zip(times[join_token:], times[join_token + 1:])]
     if not pairs:
         return []
     s = slack * statistics.median(b - a for a, b in pairs)
-    firsts = sorted(times[0] for times in requests)
+    joins = sorted(times[join_token] for times in requests if len(times) > join_token)
     out = []
     for a, b in pairs:
-        # this request's own first token is at a: never inside its own gaps
-        i = bisect.bisect_right(firsts, a + s)
-        out.append((b, b - a, i < len(firsts) and firsts[i] <= b + s))
+        # this request's own joining token is at or before a: never inside its own gaps
+        i = bisect.bisect_right(joins, a + s)
+        out.append((b, b - a, i < len(joins) and joins[i] <= b + s))
     return out
 
 
@@ -87,12 +99,13 @@ def _median_ms(values: list[float]) -> float | None:
     return round(statistics.median(values) * 1e3, 2) if values else None
 
 
-def split(result: dict[str, Any], slack: float = JOIN_SLACK) -> dict[str, Any]:
+def split(result: dict[str, Any], slack: float = JOIN_SLACK,
+          join_token: int = 0) -> dict[str, Any]:
     """Median gap overall, in join steps and in steady (decode-only) steps, and how many
     tokens reached the client in a chunk with others (``merged_tokens``; None without
-    ``output_lens``)."""
+    ``output_lens``). ``join_token``: see ``gaps``."""
     requests = token_times(result)
-    g = gaps(requests, slack)
+    g = gaps(requests, slack, join_token)
     merged = None
     if "output_lens" in result:
         generated = sum(n for n, ttft in zip(result["output_lens"], result["ttfts"]) if ttft)
@@ -110,8 +123,8 @@ def split(result: dict[str, Any], slack: float = JOIN_SLACK) -> dict[str, Any]:
     }
 
 
-def timeline(result: dict[str, Any], window_s: float = 1.0,
-             slack: float = JOIN_SLACK) -> list[dict[str, Any]]:
+def timeline(result: dict[str, Any], window_s: float = 1.0, slack: float = JOIN_SLACK,
+             join_token: int = 0) -> list[dict[str, Any]]:
     """Per window of the run (by gap end time, from the first token on): median steady gap,
     median join gap, and how many requests joined."""
     requests = token_times(result)
@@ -119,12 +132,14 @@ def timeline(result: dict[str, Any], window_s: float = 1.0,
         return []
     t0 = min(times[0] for times in requests)
     buckets: dict[int, tuple[list[float], list[float]]] = {}
-    for end, length, join in gaps(requests, slack):
+    for end, length, join in gaps(requests, slack, join_token):
         steady, joins = buckets.setdefault(int((end - t0) // window_s), ([], []))
         (joins if join else steady).append(length)
     firsts: dict[int, int] = {}
     for times in requests:
-        k = int((times[0] - t0) // window_s)
+        if len(times) <= join_token:
+            continue
+        k = int((times[join_token] - t0) // window_s)
         firsts[k] = firsts.get(k, 0) + 1
     return [{"t_s": round(k * window_s, 3), "median_steady_itl_ms": _median_ms(steady),
              "median_join_itl_ms": _median_ms(joins), "joined": firsts.get(k, 0)}
@@ -159,6 +174,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("results", nargs="+", type=Path)
     ap.add_argument("--window", type=float, default=1.0, help="timeline window (s)")
+    ap.add_argument("--join-token", type=int, default=0, choices=(0, 1),
+                    help="which of a request's tokens D's admitting step gives it: 0, or 1 "
+                         "for results of the first token from P (layerkv-ft)")
     ap.add_argument("--plot", type=Path, help="write the timeline plot here (needs matplotlib)")
     args = ap.parse_args()
     if args.window <= 0:
@@ -170,13 +188,13 @@ def main() -> None:
         try:
             raw = path.read_bytes()
             result = json.loads(gzip.decompress(raw) if path.suffix == ".gz" else raw)
-            s = split(result)
+            s = split(result, join_token=args.join_token)
         except (OSError, ValueError) as e:  # missing, not gzip, not JSON, not detailed
             raise SystemExit(f"{path}: {e}") from None
         name = path.name.removesuffix(".gz").removesuffix(".json")
         print(f"| {name} | {s['gaps']} | {s['join_fraction']} | {s['median_itl_ms']} | "
               f"{s['median_join_itl_ms']} | {s['median_steady_itl_ms']} |")
-        timelines[name] = timeline(result, args.window)
+        timelines[name] = timeline(result, args.window, join_token=args.join_token)
     if args.plot:
         plot(timelines, args.plot)
 

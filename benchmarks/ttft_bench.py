@@ -413,14 +413,20 @@ def load_point(spec: str) -> tuple[int, int, int, int]:
     return c, i, o, n
 
 
-def summarize(result: dict[str, Any]) -> dict[str, Any]:
+def join_token(config: Config) -> int:
+    """Which of a request's tokens D's admitting step gives it (``itl_timeline.gaps``): the
+    second where the proxy hands out P's token first, else the first."""
+    return 1 if "--first-token-from-prefill" in LAYERKV_PROXY_ARGS.get(config.family, []) else 0
+
+
+def summarize(result: dict[str, Any], join_token: int = 0) -> dict[str, Any]:
     """The headline numbers of one point, and its decode steps split into those that took a
     new request in and the rest (``itl_timeline.split``)."""
     keys = ("median_ttft_ms", "mean_ttft_ms", "p90_ttft_ms", "median_tpot_ms", "mean_tpot_ms",
             "median_e2el_ms", "completed", "failed", "request_throughput")
     out: dict[str, Any] = {k: result[k] for k in keys if k in result}
     if "itls" in result:
-        out["steps"] = itl_timeline.split(result)
+        out["steps"] = itl_timeline.split(result, join_token=join_token)
     return out
 
 
@@ -473,12 +479,12 @@ def measure(config: Config, url: str, args: argparse.Namespace, runner: BenchSer
     for n in args.prompt_lens:
         r = bench(runner, url, args, args.out, f"{name}_c1_in{n}", n, args.output_len,
                   args.num_prompts, 1)
-        res[f"c1_in{n}"] = summarize(r)
+        res[f"c1_in{n}"] = summarize(r, join_token(config))
         log(f"{name} in={n}: median TTFT {r['median_ttft_ms']:.1f} ms")
         save()
     for c, i, o, k in args.load:
         r = bench(runner, url, args, args.out, f"{name}_c{c}_in{i}_out{o}", i, o, k, c)
-        point = res[f"c{c}_in{i}_out{o}"] = summarize(r)
+        point = res[f"c{c}_in{i}_out{o}"] = summarize(r, join_token(config))
         save()
         log(f"{name} load c={c}: mean TTFT {r['mean_ttft_ms']:.1f} ms, "
             f"mean TPOT {r['mean_tpot_ms']:.2f} ms")

@@ -68,6 +68,38 @@ def test_failed_requests_are_skipped_and_the_timeline_counts_joins_per_window() 
     assert joined_later["median_join_itl_ms"] == pytest.approx(JOIN_S * 1e3, abs=0.5)
 
 
+def with_first_tokens_from_p(result: dict, handover_s: float = 0.1) -> dict:
+    """The same engine behind the first token from P: every request's first token came from P,
+    ``handover_s`` before D's admitting step gave it its second (the engine's first)."""
+    out: dict = {"start_times": [], "ttfts": [], "itls": []}
+    for start, ttft, itls in zip(result["start_times"], result["ttfts"], result["itls"]):
+        out["start_times"].append(start)
+        out["ttfts"].append(ttft - handover_s)
+        out["itls"].append([handover_s, *itls])
+    return out
+
+
+def test_with_the_first_token_from_p_joins_are_found_by_the_second_token() -> None:
+    engine = simulated_result({0: 0, 1: 0, 2: 0, 3: 0, 4: 5, 5: 9}, tokens=12, steps=25)
+    ft = with_first_tokens_from_p(engine)
+    # read as D's joins, the same steps as without P's tokens; the hand-over gaps are no steps
+    assert itl_timeline.split(ft, join_token=1) == itl_timeline.split(engine)
+    # read by the first token (the default), the joins land on the wrong gaps
+    wrong = itl_timeline.split(ft)
+    assert wrong["median_join_itl_ms"] != pytest.approx(JOIN_S * 1e3, abs=0.5)
+    rows = itl_timeline.timeline(ft, window_s=0.25, join_token=1)
+    assert sum(r["joined"] for r in rows) == 6
+    with pytest.raises(ValueError, match="join_token"):
+        itl_timeline.gaps([[0.0, 0.1]], join_token=-1)
+
+
+def test_the_benchmark_reads_its_first_token_configuration_by_the_second_token() -> None:
+    ttft_bench = load("ttft_bench")
+    assert ttft_bench.join_token(ttft_bench.parse_config("layerkv-ft")) == 1
+    assert ttft_bench.join_token(ttft_bench.parse_config("layerkv")) == 0
+    assert ttft_bench.join_token(ttft_bench.parse_config("nixl")) == 0
+
+
 def test_a_result_without_per_token_times_says_how_to_get_them(tmp_path: Path) -> None:
     with pytest.raises(itl_timeline.NotDetailed, match="--save-detailed"):
         itl_timeline.split({"ttfts": [0.1]})
