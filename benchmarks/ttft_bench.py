@@ -53,6 +53,7 @@ import argparse
 import json
 import re
 import signal
+import statistics
 import sys
 import time
 import zlib
@@ -281,15 +282,17 @@ def bring_up(deployment: Deployment, config: Config, args: argparse.Namespace
     return proxy.url, [proxy]
 
 
-def dataset_seed(concurrency: int, input_len: int, output_len: int) -> int:
-    """The random dataset's seed of one benchmark point: its own per point (see bench), and
-    below 2**32, which numpy's legacy seeding in vllm bench serve requires."""
-    return zlib.crc32(f"c{concurrency}:in{input_len}:out{output_len}".encode())
+def dataset_seed(concurrency: int, input_len: int, output_len: int, repeat: int = 1) -> int:
+    """The random dataset's seed of one benchmark point: its own per point and per repeat (see
+    bench; a repeat with the same prompts would hit the prefix cache), and below 2**32, which
+    numpy's legacy seeding in vllm bench serve requires."""
+    again = f":r{repeat}" if repeat > 1 else ""
+    return zlib.crc32(f"c{concurrency}:in{input_len}:out{output_len}{again}".encode())
 
 
 def bench(runner: BenchServe, url: str, args: argparse.Namespace, out: Path, tag: str,
-          input_len: int, output_len: int, num_prompts: int, concurrency: int
-          ) -> dict[str, Any]:
+          input_len: int, output_len: int, num_prompts: int, concurrency: int,
+          repeat: int = 1) -> dict[str, Any]:
     fname = f"{tag}.json"
     # A seed per (length, concurrency, output length): with one seed, the random dataset's
     # prompt i of every length starts with the same tokens, so each length would hit the prefix
@@ -297,7 +300,7 @@ def bench(runner: BenchServe, url: str, args: argparse.Namespace, out: Path, tag
     # load points differing only in output length would share prompts too. No ready check:
     # vLLM's uses prompt 0, which would then be a full prefix-cache hit when measured; the
     # configuration is warmed up with prompts of its own instead (warm_up).
-    seed = dataset_seed(concurrency, input_len, output_len)
+    seed = dataset_seed(concurrency, input_len, output_len, repeat)
     argv = ["--backend", "vllm", "--base-url", url, "--endpoint", "/v1/completions",
             "--model", NAME, "--tokenizer", str(args.tokenizer or args.model),
             "--dataset-name", "random", "--random-input-len", str(input_len),
@@ -419,6 +422,50 @@ def join_token(config: Config) -> int:
     return 1 if "--first-token-from-prefill" in LAYERKV_PROXY_ARGS.get(config.family, []) else 0
 
 
+def decode_server_steps(before: str, after: str) -> dict[str, Any]:
+    """What the instance that generates the tokens (D, or the single instance) measured over
+    one point, from two scrapes of its /metrics: its mean inter-token latency, and how many
+    tokens and engine steps that covers. vLLM times each token by the engine core's output
+    timestamp, so this is D's step as its engine made it, without its API server, the proxy
+    or the client; set next to the client's mean ITL, it tells where a slow step comes from.
+    Empty if the instance does not expose these metrics."""
+    from vllm_layerkv.testing.cluster import metric
+
+    def delta(name: str) -> float:
+        return metric(after, name) - metric(before, name)
+
+    try:
+        itl_s, tokens = (delta("vllm:inter_token_latency_seconds_sum"),
+                         delta("vllm:inter_token_latency_seconds_count"))
+        steps = delta("vllm:iteration_tokens_total_count")
+    except KeyError:
+        return {}
+    return {"mean_itl_ms": round(itl_s / tokens * 1e3, 2) if tokens else None,
+            "itl_tokens": int(tokens), "engine_steps": int(steps)}
+
+
+def scrape(server: VllmServer) -> str:
+    """The server's /metrics text, or "" if it cannot be read (the point is measured anyway)."""
+    try:
+        return server.metrics()
+    except (OSError, RuntimeError) as e:
+        log(f"{server.served_model_name}: /metrics not read ({e})")
+        return ""
+
+
+def load_repeats_median(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The median over repeats of one load point's headline numbers."""
+    keys = ("mean_ttft_ms", "median_ttft_ms", "p90_ttft_ms", "mean_tpot_ms", "median_tpot_ms")
+    out: dict[str, Any] = {k: statistics.median(r[k] for r in runs) for k in keys
+                           if all(k in r for r in runs)}
+    served = [r["decode_server"]["mean_itl_ms"] for r in runs
+              if r.get("decode_server", {}).get("mean_itl_ms") is not None]
+    if len(served) == len(runs):
+        out["decode_server_mean_itl_ms"] = statistics.median(served)
+    out["runs"] = len(runs)
+    return out
+
+
 def summarize(result: dict[str, Any], join_token: int = 0) -> dict[str, Any]:
     """The headline numbers of one point, and its decode steps split into those that took a
     new request in and the rest (``itl_timeline.split``)."""
@@ -463,10 +510,12 @@ class IdentityCheck:
         return same == len(self.prompts)
 
 
-def measure(config: Config, url: str, args: argparse.Namespace, runner: BenchServe,
-            identity: IdentityCheck, res: dict[str, Any], save: Callable[[], None]) -> bool:
+def measure(config: Config, url: str, decoder: VllmServer, args: argparse.Namespace,
+            runner: BenchServe, identity: IdentityCheck, res: dict[str, Any],
+            save: Callable[[], None]) -> bool:
     """Everything measured of one running configuration, into ``res`` (saved after each
-    point); False if its greedy outputs differ from the single instance's."""
+    point); False if its greedy outputs differ from the single instance's. ``decoder``: the
+    instance that generates the tokens (D, or the single instance)."""
     name = config.name
     res["cold_start"] = cold_start(url, args.model,
                                    min(args.prompt_lens[0], args.max_model_len - 64))
@@ -482,17 +531,38 @@ def measure(config: Config, url: str, args: argparse.Namespace, runner: BenchSer
         res[f"c1_in{n}"] = summarize(r, join_token(config))
         log(f"{name} in={n}: median TTFT {r['median_ttft_ms']:.1f} ms")
         save()
+    n = args.load_repeats
     for c, i, o, k in args.load:
-        r = bench(runner, url, args, args.out, f"{name}_c{c}_in{i}_out{o}", i, o, k, c)
-        point = res[f"c{c}_in{i}_out{o}"] = summarize(r, join_token(config))
-        save()
-        log(f"{name} load c={c}: mean TTFT {r['mean_ttft_ms']:.1f} ms, "
-            f"mean TPOT {r['mean_tpot_ms']:.2f} ms")
-        if (steps := point.get("steps")) and steps["gaps"]:
-            log(f"{name} load c={c} decode steps (client side): median "
-                f"{steps['median_steady_itl_ms']} ms steady, {steps['median_join_itl_ms']} ms "
-                f"when a request joined ({steps['join_fraction']:.0%} of gaps; "
-                f"{steps['merged_tokens']} tokens came in a chunk with others)")
+        key = f"c{c}_in{i}_out{o}"
+        runs = []
+        for rep in range(1, n + 1):
+            # the first run keeps the point's plain name (and seed), as without repeats
+            tag = f"{name}_{key}" + (f"_r{rep}" if rep > 1 else "")
+            before = scrape(decoder)
+            r = bench(runner, url, args, args.out, tag, i, o, k, c, repeat=rep)
+            point = summarize(r, join_token(config))
+            point["decode_server"] = decode_server_steps(before, scrape(decoder))
+            runs.append(point)
+            res[key] = {**runs[0], "repeats": runs} if n > 1 else point
+            save()
+            run = f" run {rep}/{n}" if n > 1 else ""
+            log(f"{name} load c={c}{run}: mean TTFT {r['mean_ttft_ms']:.1f} ms, "
+                f"mean TPOT {r['mean_tpot_ms']:.2f} ms")
+            if (steps := point.get("steps")) and steps["gaps"]:
+                log(f"{name} load c={c}{run} decode steps (client side): median "
+                    f"{steps['median_steady_itl_ms']} ms steady, {steps['median_join_itl_ms']} "
+                    f"ms when a request joined ({steps['join_fraction']:.0%} of gaps; "
+                    f"{steps['merged_tokens']} tokens came in a chunk with others)")
+            if (served := point["decode_server"]).get("mean_itl_ms") is not None:
+                log(f"{name} load c={c}{run} decode instance's own mean ITL "
+                    f"{served['mean_itl_ms']} ms over {served['engine_steps']} engine steps "
+                    f"(client side {r.get('mean_itl_ms', float('nan')):.2f} ms)")
+        if n > 1:
+            m = res[key]["median_of_repeats"] = load_repeats_median(runs)
+            save()
+            # the line plot_results.py reads: the medians over the repeats
+            log(f"{name} load c={c}: mean TTFT {m['mean_ttft_ms']:.1f} ms, "
+                f"mean TPOT {m['mean_tpot_ms']:.2f} ms (median of {n} runs)")
     return same
 
 
@@ -509,7 +579,7 @@ def run_config(config: Config, args: argparse.Namespace, runner: BenchServe,
     res["start_s"] = round(time.monotonic() - t0, 1)
     ok = True
     try:
-        ok = measure(config, url, args, runner, identity, res, save)
+        ok = measure(config, url, deployment.servers[-1], args, runner, identity, res, save)
         if config.family in LAYERKV_CONFIGS:
             res["counters"] = transfer_counters(deployment.servers[0], config.p_tp)
             log(f"{name}: P counters {res['counters']}")
@@ -556,6 +626,10 @@ def main() -> int:
                     help="output tokens per request at the c=1 points")
     ap.add_argument("--load", action="append", default=[], metavar="C:IN:OUT:N", type=load_point,
                     help="a load point: concurrency, input len, output len, requests")
+    ap.add_argument("--load-repeats", type=int, default=1, metavar="N",
+                    help="run each load point N times back to back, each with prompts of its "
+                         "own, and report the medians (a single run's mean TPOT moved by up "
+                         "to 18 %% between two runs on one H200)")
     ap.add_argument("--identity", type=int, default=0, metavar="N",
                     help="greedy token-identity check with N prompts")
     ap.add_argument("--identity-ref", type=Path, default=None, metavar="PATH",
@@ -586,6 +660,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, required=True,
                     help="directory for the result files, logs and summary.json")
     args = ap.parse_args()
+    if args.load_repeats < 1:
+        ap.error(f"--load-repeats must be 1 or more, not {args.load_repeats}")
     # SIGTERM (timeout, Ctrl-C from a wrapper) must still run the finally blocks that stop servers
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")

@@ -31,7 +31,8 @@ def test_ttft_bench_cpu_smoke(tmp_path: Path) -> None:
     cmd = [sys.executable, str(ROOT / "benchmarks" / "ttft_bench.py"), "--device", "cpu",
            "--model", str(model_path("tiny-llama")), "--configs", "single", "layerkv",
            "--prompt-lens", "512", "--num-prompts", "2", "--identity", "3",
-           "--max-model-len", "2048", "--trace", "--out", str(out)]
+           "--max-model-len", "2048", "--trace", "--out", str(out),
+           "--load", "2:128:6:4", "--load-repeats", "2"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -47,6 +48,18 @@ def test_ttft_bench_cpu_smoke(tmp_path: Path) -> None:
         assert steps["join_fraction"] == 0, steps
         cold = summary["results"][config]["cold_start"]  # the first request and a second
         assert cold["prompt_len"] == 512 and cold["cold_ttft_ms"] > 0 < cold["warm_ttft_ms"]
+    # the load point, twice with prompts of its own: the decoding instance's own ITL read
+    # from its /metrics, 4 requests x 5 gaps after the first token per run
+    for config in ("single", "layerkv"):
+        point = summary["results"][config]["c2_in128_out6"]
+        assert [r["completed"] for r in point["repeats"]] == [4, 4], point
+        for run in point["repeats"]:
+            served = run["decode_server"]
+            assert served["itl_tokens"] == 20 and served["engine_steps"] > 0, served
+            assert served["mean_itl_ms"] > 0, served
+        medians = point["median_of_repeats"]
+        assert medians["runs"] == 2 and medians["decode_server_mean_itl_ms"] > 0, medians
+    assert (out / "layerkv_c2_in128_out6_r2.json").exists()
     # the result files vllm bench serve saved are there for the table / plots
     assert (out / "layerkv_c1_in512.json").exists()
     layerkv = summary["results"]["layerkv"]
@@ -72,8 +85,8 @@ def test_ttft_bench_cpu_smoke(tmp_path: Path) -> None:
         assert all(p >= 0 for p in p_parts), r
         assert abs(sum(p_parts) - r["start_delay"]) < 0.1, r
     # P's transfer counters: every request through the proxy had its KV sent (2 cold start, 3
-    # identity, 1 warm-up, 2 measured; prompts under min_prompt_tokens too, in one send), each
-    # in a few layer-group sends
+    # identity, 1 warm-up, 2 measured at c=1, 2 x 4 under load; prompts under
+    # min_prompt_tokens too, in one send), each in a few layer-group sends
     counters = layerkv["counters"]
-    assert counters["requests"] == 8, counters
+    assert counters["requests"] == 16, counters
     assert 0 < counters["transfer_ops_per_request"] < 20, counters

@@ -126,7 +126,7 @@ def test_a_configuration_that_does_not_start_is_recorded_and_the_next_one_runs(
             raise ServerError("single exited with rc=1 during start-up")
         return "http://127.0.0.1:1", []
 
-    def measure(config, url, args, runner, identity, res, save):
+    def measure(config, url, decoder, args, runner, identity, res, save):
         res["measured_at"] = url
         return True
 
@@ -220,3 +220,83 @@ def test_layerkv_ft_runs_the_proxy_with_the_first_token_from_prefill(tmp_path) -
     assert ft.proxy_cmd is not None and plain.proxy_cmd is not None
     assert ft.proxy_cmd[-1] == "--first-token-from-prefill"
     assert "--first-token-from-prefill" not in plain.proxy_cmd
+
+
+def test_each_repeat_of_a_load_point_has_prompts_of_its_own() -> None:
+    """A repeat with the first run's prompts would hit the prefix cache: no prefill at all."""
+    assert ttft_bench.dataset_seed(16, 4096, 128, 1) == ttft_bench.dataset_seed(16, 4096, 128)
+    seeds = {ttft_bench.dataset_seed(16, 4096, 128, r) for r in (1, 2, 3)}
+    assert len(seeds) == 3 and all(0 <= s < 2**32 for s in seeds)
+
+
+def decode_metrics(itl_sum_s: float, tokens: int, steps: int) -> str:
+    """The two histograms of a vLLM /metrics text that decode_server_steps reads."""
+    labels = '{engine="0",model_name="m"}'
+    return (f"vllm:inter_token_latency_seconds_sum{labels} {itl_sum_s}\n"
+            f"vllm:inter_token_latency_seconds_count{labels} {tokens}\n"
+            f"vllm:iteration_tokens_total_sum{labels} {tokens}\n"
+            f"vllm:iteration_tokens_total_count{labels} {steps}\n")
+
+
+def test_the_decode_instance_s_own_itl_is_read_from_two_scrapes() -> None:
+    before, after = decode_metrics(1.0, 100, 10), decode_metrics(3.0, 200, 20)
+    assert ttft_bench.decode_server_steps(before, after) == {
+        "mean_itl_ms": 20.0, "itl_tokens": 100, "engine_steps": 10}
+    assert ttft_bench.decode_server_steps(before, before)["mean_itl_ms"] is None
+    assert ttft_bench.decode_server_steps("", after) == {}  # not scraped: nothing claimed
+
+
+def test_load_repeats_report_each_run_and_their_medians(tmp_path, monkeypatch, capsys) -> None:
+    """--load-repeats 3: three runs with prompts of their own, each with the decode
+    instance's own ITL, and the medians on the line plot_results.py reads."""
+    tpots = iter([20.0, 30.0, 22.0])
+    seeds = []
+
+    class Runner:
+        def run(self, argv, stdout_path, timeout):
+            load_point = argv[argv.index("--max-concurrency") + 1] != "1"
+            if load_point:
+                seeds.append(argv[argv.index("--seed") + 1])
+            out = Path(argv[argv.index("--result-dir") + 1])
+            tpot = next(tpots) if load_point else 1.0
+            (out / argv[argv.index("--result-filename") + 1]).write_text(json.dumps({
+                "mean_ttft_ms": 5 * tpot, "median_ttft_ms": 5 * tpot, "p90_ttft_ms": 6 * tpot,
+                "mean_tpot_ms": tpot, "median_tpot_ms": tpot, "mean_itl_ms": tpot,
+                "completed": 2, "failed": 0}))
+
+    class Decoder:  # D's /metrics: 10 more tokens per scrape pair, at 10 ms each
+        served_model_name = "m"
+
+        def __init__(self):
+            self.scrapes = 0
+
+        def metrics(self) -> str:
+            self.scrapes += 1
+            n = self.scrapes // 2 * 10
+            return decode_metrics(n * 0.010, n, n)
+
+    monkeypatch.setattr(ttft_bench, "cold_start", lambda *a: {"cold_ttft_ms": 1.0,
+                                                              "warm_ttft_ms": 1.0})
+    monkeypatch.setattr(ttft_bench, "warm_up", lambda *a: None)
+    args = argparse.Namespace(tokenizer=None, model="m", bench_timeout=60, prompt_lens=[16],
+                              output_len=8, num_prompts=1, max_model_len=2048, load=[(2, 16, 3, 2)], load_repeats=3,
+                              out=tmp_path, identity=0)
+    identity = ttft_bench.IdentityCheck(0, args, tmp_path / "ref.json")
+    res: dict = {}
+    ttft_bench.measure(ttft_bench.parse_config("layerkv"), "http://x", Decoder(), args,
+                       Runner(), identity, res, lambda: None)
+    point = res["c2_in16_out3"]
+    assert [r["mean_tpot_ms"] for r in point["repeats"]] == [20.0, 30.0, 22.0]
+    assert point["mean_tpot_ms"] == 20.0  # the first run, as without repeats
+    assert point["median_of_repeats"] == {
+        "mean_ttft_ms": 110.0, "median_ttft_ms": 110.0, "p90_ttft_ms": 132.0,
+        "mean_tpot_ms": 22.0, "median_tpot_ms": 22.0, "decode_server_mean_itl_ms": 10.0,
+        "runs": 3}
+    assert len(set(seeds)) == 3
+    assert sorted(p.name for p in tmp_path.glob("layerkv_c2_*.json")) == [
+        "layerkv_c2_in16_out3.json", "layerkv_c2_in16_out3_r2.json",
+        "layerkv_c2_in16_out3_r3.json"]
+    plot_results = load("plot_results")
+    lines = [line for line in capsys.readouterr().out.splitlines() + [""]
+             if plot_results.LOAD.search(line)]
+    assert len(lines) == 1 and "mean TPOT 22.00 ms (median of 3 runs)" in lines[0], lines
