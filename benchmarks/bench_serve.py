@@ -56,6 +56,11 @@ class BenchServe:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
             start_new_session=True)
 
+    @property
+    def pid(self) -> int | None:
+        """The running worker's PID (the benchmark client), or None."""
+        return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
+
     def run(self, argv: list[str], output: Path, timeout: float) -> None:
         """Run one `vllm bench serve` command line (without ``vllm bench serve``); raises
         RuntimeError, with the end of ``output``, if it fails or overruns ``timeout`` seconds

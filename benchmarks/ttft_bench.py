@@ -63,6 +63,7 @@ from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+import cpu_usage  # noqa: E402  (benchmarks/cpu_usage.py, beside this script)
 import itl_timeline  # noqa: E402  (benchmarks/itl_timeline.py, beside this script)
 import profile_trace  # noqa: E402  (benchmarks/profile_trace.py)
 from bench_serve import BenchServe  # noqa: E402  (benchmarks/bench_serve.py)
@@ -510,12 +511,26 @@ class IdentityCheck:
         return same == len(self.prompts)
 
 
+def process_groups(servers: list[VllmServer], helpers: list[HelperProcess],
+                   runner: BenchServe) -> dict[str, list[int]]:
+    """The processes of a running configuration by role, for ``cpu_usage``: P and D (or the
+    single instance), the proxy, and the benchmark client."""
+    roles = ("prefill", "decode") if len(servers) == 2 else ("single",)
+    groups = {role: s.pids() for role, s in zip(roles, servers)}
+    for helper in helpers:
+        groups["proxy"] = helper.pids()
+    groups["client"] = [runner.pid] if runner.pid is not None else []
+    return groups
+
+
 def measure(config: Config, url: str, decoder: VllmServer, args: argparse.Namespace,
             runner: BenchServe, identity: IdentityCheck, res: dict[str, Any],
-            save: Callable[[], None]) -> bool:
+            save: Callable[[], None],
+            groups: Callable[[], dict[str, list[int]]] = dict) -> bool:
     """Everything measured of one running configuration, into ``res`` (saved after each
     point); False if its greedy outputs differ from the single instance's. ``decoder``: the
-    instance that generates the tokens (D, or the single instance)."""
+    instance that generates the tokens (D, or the single instance). ``groups``: its
+    processes by role, whose CPU time each load point records."""
     name = config.name
     res["cold_start"] = cold_start(url, args.model,
                                    min(args.prompt_lens[0], args.max_model_len - 64))
@@ -538,10 +553,12 @@ def measure(config: Config, url: str, decoder: VllmServer, args: argparse.Namesp
         for rep in range(1, n + 1):
             # the first run keeps the point's plain name (and seed), as without repeats
             tag = f"{name}_{key}" + (f"_r{rep}" if rep > 1 else "")
-            before = scrape(decoder)
+            before, cpu_before = scrape(decoder), cpu_usage.take(groups())
             r = bench(runner, url, args, args.out, tag, i, o, k, c, repeat=rep)
+            cpu = cpu_usage.usage(cpu_before, cpu_usage.take(groups()))
             point = summarize(r, join_token(config))
             point["decode_server"] = decode_server_steps(before, scrape(decoder))
+            point["cpu"] = cpu
             runs.append(point)
             res[key] = {**runs[0], "repeats": runs} if n > 1 else point
             save()
@@ -557,6 +574,7 @@ def measure(config: Config, url: str, decoder: VllmServer, args: argparse.Namesp
                 log(f"{name} load c={c}{run} decode instance's own mean ITL "
                     f"{served['mean_itl_ms']} ms over {served['engine_steps']} engine steps "
                     f"(client side {r.get('mean_itl_ms', float('nan')):.2f} ms)")
+            log(f"{name} load c={c}{run} CPU over the point: {cpu_usage.one_line(cpu)}")
         if n > 1:
             m = res[key]["median_of_repeats"] = load_repeats_median(runs)
             save()
@@ -579,7 +597,8 @@ def run_config(config: Config, args: argparse.Namespace, runner: BenchServe,
     res["start_s"] = round(time.monotonic() - t0, 1)
     ok = True
     try:
-        ok = measure(config, url, deployment.servers[-1], args, runner, identity, res, save)
+        ok = measure(config, url, deployment.servers[-1], args, runner, identity, res, save,
+                     lambda: process_groups(deployment.servers, procs, runner))
         if config.family in LAYERKV_CONFIGS:
             res["counters"] = transfer_counters(deployment.servers[0], config.p_tp)
             log(f"{name}: P counters {res['counters']}")

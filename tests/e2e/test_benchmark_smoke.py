@@ -57,6 +57,12 @@ def test_ttft_bench_cpu_smoke(tmp_path: Path) -> None:
             served = run["decode_server"]
             assert served["itl_tokens"] == 20 and served["engine_steps"] > 0, served
             assert served["mean_itl_ms"] > 0, served
+        # CPU time over each run, by process group: every group that served it used some
+        roles = ("single",) if config == "single" else ("prefill", "decode", "proxy")
+        for run in point["repeats"]:
+            for role in (*roles, "client"):
+                used = run["cpu"][role]
+                assert used["cpu_s"] > 0 and used["top"][0]["cores"] > 0, (role, used)
         medians = point["median_of_repeats"]
         assert medians["runs"] == 2 and medians["decode_server_mean_itl_ms"] > 0, medians
     assert (out / "layerkv_c2_in128_out6_r2.json").exists()

@@ -656,6 +656,10 @@ class HelperProcess:
             time.sleep(0.5)
         raise ServerError(f"{self.url} not healthy after {timeout:.0f} s; last /health: {last}")
 
+    def pids(self) -> list[int]:
+        """All live processes of this helper (it runs in its own process group)."""
+        return _pgid_members(self.proc.pid) if self.proc.poll() is None else []
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
