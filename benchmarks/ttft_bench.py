@@ -517,8 +517,8 @@ def process_groups(servers: list[VllmServer], helpers: list[HelperProcess],
     single instance), the proxy, and the benchmark client."""
     roles = ("prefill", "decode") if len(servers) == 2 else ("single",)
     groups = {role: s.pids() for role, s in zip(roles, servers)}
-    for helper in helpers:
-        groups["proxy"] = helper.pids()
+    if helpers:
+        groups["proxy"] = [pid for helper in helpers for pid in helper.pids()]
     groups["client"] = [runner.pid] if runner.pid is not None else []
     return groups
 
@@ -546,11 +546,11 @@ def measure(config: Config, url: str, decoder: VllmServer, args: argparse.Namesp
         res[f"c1_in{n}"] = summarize(r, join_token(config))
         log(f"{name} in={n}: median TTFT {r['median_ttft_ms']:.1f} ms")
         save()
-    n = args.load_repeats
+    repeats = args.load_repeats
     for c, i, o, k in args.load:
         key = f"c{c}_in{i}_out{o}"
         runs = []
-        for rep in range(1, n + 1):
+        for rep in range(1, repeats + 1):
             # the first run keeps the point's plain name (and seed), as without repeats
             tag = f"{name}_{key}" + (f"_r{rep}" if rep > 1 else "")
             before, cpu_before = scrape(decoder), cpu_usage.take(groups())
@@ -560,9 +560,9 @@ def measure(config: Config, url: str, decoder: VllmServer, args: argparse.Namesp
             point["decode_server"] = decode_server_steps(before, scrape(decoder))
             point["cpu"] = cpu
             runs.append(point)
-            res[key] = {**runs[0], "repeats": runs} if n > 1 else point
+            res[key] = {**runs[0], "repeats": runs} if repeats > 1 else point
             save()
-            run = f" run {rep}/{n}" if n > 1 else ""
+            run = f" run {rep}/{repeats}" if repeats > 1 else ""
             log(f"{name} load c={c}{run}: mean TTFT {r['mean_ttft_ms']:.1f} ms, "
                 f"mean TPOT {r['mean_tpot_ms']:.2f} ms")
             if (steps := point.get("steps")) and steps["gaps"]:
@@ -575,12 +575,12 @@ def measure(config: Config, url: str, decoder: VllmServer, args: argparse.Namesp
                     f"{served['mean_itl_ms']} ms over {served['engine_steps']} engine steps "
                     f"(client side {r.get('mean_itl_ms', float('nan')):.2f} ms)")
             log(f"{name} load c={c}{run} CPU over the point: {cpu_usage.one_line(cpu)}")
-        if n > 1:
+        if repeats > 1:
             m = res[key]["median_of_repeats"] = load_repeats_median(runs)
             save()
             # the line plot_results.py reads: the medians over the repeats
             log(f"{name} load c={c}: mean TTFT {m['mean_ttft_ms']:.1f} ms, "
-                f"mean TPOT {m['mean_tpot_ms']:.2f} ms (median of {n} runs)")
+                f"mean TPOT {m['mean_tpot_ms']:.2f} ms (median of {repeats} runs)")
     return same
 
 
@@ -647,8 +647,8 @@ def main() -> int:
                     help="a load point: concurrency, input len, output len, requests")
     ap.add_argument("--load-repeats", type=int, default=1, metavar="N",
                     help="run each load point N times back to back, each with prompts of its "
-                         "own, and report the medians (a single run's mean TPOT moved by up "
-                         "to 18 %% between two runs on one H200)")
+                         "own, and report the medians (one configuration's mean TPOT moved by "
+                         "18-19 %% between two runs on one H200)")
     ap.add_argument("--identity", type=int, default=0, metavar="N",
                     help="greedy token-identity check with N prompts")
     ap.add_argument("--identity-ref", type=Path, default=None, metavar="PATH",
