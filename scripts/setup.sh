@@ -75,5 +75,5 @@ fi
 
 log "preparing models ..."
 "$VENV/bin/python" -m vllm_layerkv.testing.models prepare smollm2 tiny-llama \
-  tiny-granite-hybrid tiny-qwen3next gemma3-270m
+  tiny-granite-hybrid tiny-qwen3next tiny-deepseek gemma3-270m
 log "done: $VENV"

@@ -8,6 +8,9 @@ blocks go and *when*:
 
 * **full**: the blocks covering the tokens computed since the last send, every step (layer
   group by layer group while the forward runs), exactly as for dense models.
+* **mla**: the same as full. Multi-head latent attention (DeepSeek-V2/V3) caches one latent
+  vector per token instead of per-head K and V, but it is still a block of tokens that every
+  later token attends to; a block is one contiguous page like any other.
 * **sliding**: only at the end, and only the blocks still inside the window. P's scheduler frees
   out-of-window blocks during a long chunked prefill (they become the null block), so earlier
   chunks' blocks are not safely readable later; and D only ever attends to the last window.
@@ -27,7 +30,11 @@ from dataclasses import dataclass
 NULL_BLOCK = 0
 """vLLM's placeholder block id (freed sliding-window blocks, Mamba placeholders). Never read
 from or written to."""
-SUPPORTED_KINDS = ("full", "sliding", "mamba")
+FULL_KINDS = ("full", "mla")
+"""Kinds whose every block stays needed: streamed as the prompt is computed."""
+ATTENTION_KINDS = (*FULL_KINDS, "sliding")
+"""Kinds whose block size counts tokens."""
+SUPPORTED_KINDS = (*ATTENTION_KINDS, "mamba")
 
 
 class BlockTableError(RuntimeError):
@@ -40,7 +47,8 @@ class KVGroupInfo:
     (``compat.kv_groups``)."""
 
     kind: str
-    """"full", "sliding", "mamba" or the spec class name of a kind LayerKV cannot move."""
+    """"full", "mla", "sliding", "mamba" or the spec class name of a kind LayerKV cannot
+    move."""
     layer_names: tuple[str, ...]
     block_size: int
     """Tokens per block (attention kinds); Mamba's value is not a token count."""
@@ -90,7 +98,7 @@ def select_blocks(group: KVGroupInfo, src: Sequence[int], dst: Sequence[int], *,
     ``upto``: tokens computed once this step ran; ``start_token``: D's own prefix-cache hit;
     ``num_tokens``: tokens P computes in all; ``final``: this send completes the prompt.
     Pairs whose D block is the null block are dropped (D does not need them)."""
-    if group.kind == "full":
+    if group.kind in FULL_KINDS:
         first, last = sent_tokens // group.block_size, math.ceil(upto / group.block_size)
     elif group.kind == "sliding":
         if not final:

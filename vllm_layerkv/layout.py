@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
+    from vllm_layerkv.kvgroups import KVGroupInfo
     from vllm_layerkv.protocol import CompatInfo
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|h|blocks|block|decoder_layers)\.(\d+)(?:\.|$)")
@@ -175,26 +176,33 @@ def attention_spec(kv_cache_config: "object"):
     """The KV spec standing for the model's geometry in ``CompatInfo`` (the first attention
     group's, else the first group's); refuses group kinds this version cannot move."""
     from vllm_layerkv.compat import _group_spec, kv_groups
-    from vllm_layerkv.kvgroups import unsupported_kinds
+    from vllm_layerkv.kvgroups import ATTENTION_KINDS, unsupported_kinds
 
     groups = kv_groups(kv_cache_config)
     unsupported = unsupported_kinds(groups)
     if unsupported:
         raise LayoutError(
-            f"KV cache groups of kind {unsupported} (e.g. MLA, chunked-local or sink "
-            "attention) are not supported by this LayerKV version; supported: full attention, "
+            f"KV cache groups of kind {unsupported} (e.g. chunked-local or sink attention) "
+            "are not supported by this LayerKV version; supported: full attention, MLA, "
             "sliding window, Mamba-style state"
         )
     pages = {g.page_bytes for g in groups}
     if len(pages) > 1:
         raise LayoutError(f"KV cache groups have different page sizes {sorted(pages)}; "
                           "LayerKV needs vLLM's unified page size")
-    index = next((i for i, g in enumerate(groups) if g.kind in ("full", "sliding")), 0)
+    index = next((i for i, g in enumerate(groups) if g.kind in ATTENTION_KINDS), 0)
     return _group_spec(kv_cache_config.kv_cache_groups[index])  # type: ignore[attr-defined]
 
 
-def _total_kv_heads(vllm_config: "object") -> int:
-    """The model's KV heads before the TP split (0 if vLLM cannot say)."""
+def _total_kv_heads(vllm_config: "object", groups: "list[KVGroupInfo]") -> int:
+    """The model's KV heads before the TP split (0 if vLLM cannot say).
+
+    MLA caches one latent vector per token, which every TP rank holds whole: one "head" that
+    TP replicates (``tp.py`` then sends each D rank one P rank's copy). vLLM reports the
+    model's attention heads instead (``num_key_value_heads`` of the config), which would have
+    ``tp.py`` split the latent as if it were per-head K and V."""
+    if any(g.kind == "mla" for g in groups):
+        return 1
     try:
         return int(vllm_config.model_config.get_total_num_kv_heads())  # type: ignore[attr-defined]
     except Exception:  # noqa: BLE001 - attention-free models, test doubles
@@ -211,6 +219,7 @@ def compat_info(vllm_config: "object", kv_cache_config: "object") -> "CompatInfo
     from vllm_layerkv.compat import kv_groups
 
     spec = attention_spec(kv_cache_config)
+    groups = kv_groups(kv_cache_config)
     model = str(vllm_config.model_config.model).rstrip("/")  # type: ignore[attr-defined]
     num_layers = sum(len(g.layer_names)
                      for g in kv_cache_config.kv_cache_groups)  # type: ignore[attr-defined]
@@ -222,9 +231,9 @@ def compat_info(vllm_config: "object", kv_cache_config: "object") -> "CompatInfo
         kv_layout="HND",
         block_size=spec.block_size,
         num_kv_heads=getattr(spec, "num_kv_heads", 0),
-        total_kv_heads=_total_kv_heads(vllm_config),
+        total_kv_heads=_total_kv_heads(vllm_config, groups),
         head_size=getattr(spec, "head_size", 0),
         num_layers=num_layers,
         block_bytes=spec.page_size_bytes,
-        kv_groups=[g.signature() for g in kv_groups(kv_cache_config)],
+        kv_groups=[g.signature() for g in groups],
     )

@@ -26,7 +26,7 @@ from typing import Any
 
 from vllm_layerkv import tp
 from vllm_layerkv.config import LayerKVConfig
-from vllm_layerkv.kvgroups import BlockTableError, KVGroupInfo, select_blocks
+from vllm_layerkv.kvgroups import ATTENTION_KINDS, BlockTableError, KVGroupInfo, select_blocks
 from vllm_layerkv.metadata import LayerKVMetadata, Peer, SendTask
 from vllm_layerkv.protocol import (
     Cancel,
@@ -93,7 +93,7 @@ class PrefillScheduler:
         self._groups = groups
         # The watermark moves in whole attention blocks (all attention groups of a hybrid share
         # one block size; a model without attention only sends at the end).
-        self._block_size = next((g.block_size for g in groups if g.kind in ("full", "sliding")),
+        self._block_size = next((g.block_size for g in groups if g.kind in ATTENTION_KINDS),
                                 groups[0].block_size)
         self._engine_id = engine_id
         self._incoming: queue.SimpleQueue[Register | Cancel] = queue.SimpleQueue()

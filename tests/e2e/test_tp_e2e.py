@@ -51,6 +51,7 @@ from vllm_layerkv.testing.cluster import (
     ClusterSpec,
     PDCluster,
     metric,
+    prompt_tokens_by_source,
     transports_used,
     wait_idle,
 )
@@ -182,17 +183,8 @@ def test_kv_went_through_head_slices(tp_cluster: TPCluster) -> None:
     # D computed one token per request (vLLM recomputes the last prompt token); the rest came
     # from P (or D's own prefix cache). Recomputing the prompt on D would count it all here.
     prompt_tokens = sum(o["usage"]["prompt_tokens"] for o in tp_cluster.outputs)  # type: ignore[union-attr]
-    sources = {src: _by_source(d_text, src)
+    sources = {src: prompt_tokens_by_source(d_text, src)
                for src in ("local_compute", "local_cache_hit", "external_kv_transfer")}
     assert sources["local_compute"] <= n and sum(sources.values()) == prompt_tokens \
         and sources["external_kv_transfer"] > prompt_tokens // 2, (prompt_tokens, sources)
 
-
-def _by_source(text: str, source: str) -> float:
-    """vllm:prompt_tokens_by_source_total for one source label."""
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith("vllm:prompt_tokens_by_source_total{") and \
-                f'source="{source}"' in line:
-            total += float(line.rsplit(" ", 1)[1])
-    return total

@@ -25,6 +25,7 @@ from vllm_layerkv.kvgroups import (
 
 BS = 16
 FULL = KVGroupInfo("full", ("l.1",), BS, 4096)
+MLA = KVGroupInfo("mla", ("l.1",), BS, 4096)
 SWA = KVGroupInfo("sliding", ("l.0",), BS, 4096, sliding_window=64)
 MAMBA = KVGroupInfo("mamba", ("l.2",), 2048, 4096)
 MAMBA_SPEC = KVGroupInfo("mamba", ("l.2",), 2048, 4096, num_spec_blocks=2)
@@ -42,6 +43,16 @@ def test_full_attention_sends_from_the_watermark_block_every_step() -> None:
     assert sel(FULL, src, dst, upto=40, n=150) == ([10, 11, 12], [30, 31, 32])
     # next chunk resends the partly filled block 2
     assert sel(FULL, src, dst, sent=40, upto=80, n=150) == ([12, 13, 14], [32, 33, 34])
+
+
+def test_mla_streams_like_full_attention() -> None:
+    """MLA's latent cache is one vector per token that every later token attends to: the
+    same blocks go at the same time as for full attention, in every step."""
+    src, dst = list(range(10, 20)), list(range(30, 40))
+    for kw in (dict(upto=20, n=100), dict(sent=16, upto=40, n=100),
+               dict(sent=96, upto=100, n=100)):
+        assert sel(MLA, src, dst, **kw) == sel(FULL, src, dst, **kw) != ([], [])
+    assert not unsupported_kinds([MLA, FULL])
 
 
 def test_sliding_window_sends_nothing_before_the_last_chunk() -> None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,10 +13,12 @@ from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    MLAAttentionSpec,
     SlidingWindowSpec,
 )
 
-from vllm_layerkv.layout import KVLayout, LayoutError, attention_spec, layer_index
+from vllm_layerkv import tp
+from vllm_layerkv.layout import KVLayout, LayoutError, attention_spec, compat_info, layer_index
 
 NUM_BLOCKS, HEADS, BLOCK_SIZE, HEAD = 10, 2, 16, 8
 
@@ -218,3 +221,51 @@ def test_padded_mamba_view_is_moved_as_whole_pages() -> None:
     view = layout.host_block_views()[0]
     view[3, :state] = 5
     assert bool((mamba[3] == 5).all()) and int(raw[3 * page + state]) == 0 == int(mamba[4].sum())
+
+
+LATENT = 576  # DeepSeek-V2/V3: kv_lora_rank 512 + rope 64
+
+
+def _mla_config(layers: int = 2) -> KVCacheConfig:
+    spec = MLAAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=LATENT,
+                            dtype=torch.bfloat16)
+    return KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec([_name(i) for i in range(layers)], spec)])
+
+
+def test_mla_latent_cache_is_moved_as_whole_blocks() -> None:
+    """vLLM's MLA cache is ``[blocks, block_size, latent]`` (no head dimension): one block of
+    one layer is one contiguous page, the size vLLM's spec gives."""
+    config = _mla_config()
+    spec = attention_spec(config)
+    caches = {_name(i): torch.randn(NUM_BLOCKS, BLOCK_SIZE, LATENT).to(torch.bfloat16)
+              for i in range(2)}
+    layout = KVLayout.from_kv_caches(caches, NUM_BLOCKS)
+    assert layout.block_bytes == spec.page_size_bytes == BLOCK_SIZE * LATENT * 2
+
+
+def _vllm_config(total_kv_heads: int) -> SimpleNamespace:
+    return SimpleNamespace(model_config=SimpleNamespace(
+        model="/models/tiny-deepseek/", get_total_num_kv_heads=lambda: total_kv_heads))
+
+
+def test_mla_has_one_replicated_head_whatever_vllm_reports() -> None:
+    """vLLM reports the model's attention heads for MLA (here 4), but every TP rank holds the
+    whole latent: CompatInfo says 1 head, so a P TP2 -> D TP1 pair is accepted and each D
+    rank gets whole blocks from one P rank."""
+    compat = compat_info(_vllm_config(total_kv_heads=4), _mla_config())
+    assert (compat.num_kv_heads, compat.total_kv_heads) == (1, 1)
+    assert compat.kv_groups == ["mla:2x16"] and compat.head_size == LATENT
+    assert tp.peer_error(compat, 2, compat, 1, "decode") is None
+    assert tp.peer_error(compat, 1, compat, 4, "decode") is None
+    assert [r for p in range(2) for r in tp.routes(p, 2, 1, compat.total_kv_heads)] == \
+        [tp.Route(0, 0, 0, 1, True)]
+    assert tp.routes(0, 1, 2, compat.total_kv_heads) == \
+        [tp.Route(0, 0, 0, 1, True), tp.Route(1, 0, 0, 1, True)]
+
+
+def test_attention_models_keep_vllms_head_count() -> None:
+    full = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=HEADS, head_size=HEAD,
+                             dtype=torch.float32)
+    compat = compat_info(_vllm_config(total_kv_heads=8), _kv_config(full))
+    assert (compat.num_kv_heads, compat.total_kv_heads) == (HEADS, 8)

@@ -211,6 +211,17 @@ def metric(text: str, name: str) -> float:
     return total
 
 
+
+def prompt_tokens_by_source(text: str, source: str) -> float:
+    """``vllm:prompt_tokens_by_source_total`` for one ``source`` label ("local_compute",
+    "local_cache_hit" or "external_kv_transfer"), summed over the other labels."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("vllm:prompt_tokens_by_source_total{") and \
+                f'source="{source}"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
 def wait_idle(server: VllmServer, timeout: float = 30.0) -> dict[str, float]:
     """Poll /metrics until the server holds no requests and no KV blocks; return the last
     readings (the caller asserts on them, so a leak fails with the numbers)."""

