@@ -211,7 +211,6 @@ def metric(text: str, name: str) -> float:
     return total
 
 
-
 def prompt_tokens_by_source(text: str, source: str) -> float:
     """``vllm:prompt_tokens_by_source_total`` for one ``source`` label ("local_compute",
     "local_cache_hit" or "external_kv_transfer"), summed over the other labels."""
