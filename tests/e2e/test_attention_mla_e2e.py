@@ -29,7 +29,6 @@ never up at the same time (memory of the 24 GiB CI machine)."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -46,7 +45,7 @@ from vllm_layerkv.testing.cluster import (
     wait_idle,
 )
 from vllm_layerkv.testing.models import model_path
-from vllm_layerkv.testing.servers import HelperProcess, free_port, post_json
+from vllm_layerkv.testing.servers import post_json
 
 pytestmark = pytest.mark.e2e
 MAX_TOKENS = 16
@@ -62,14 +61,9 @@ def mla(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[PDCluster, s
     spec = ClusterSpec(model=model_path("tiny-deepseek"), workdir=workdir,
                        enable_prefix_caching=False)  # vLLM forces it off for MLA on CPU
     with PDCluster(spec) as cluster:
-        port = free_port()
-        first_token = HelperProcess(
-            [sys.executable, "-m", "vllm_layerkv.cli", "proxy", "--first-token-from-prefill",
-             "--prefill", cluster.prefill.url, "--decode", cluster.decode.url,
-             "--port", str(port)],
-            workdir / "proxy-first-token.log", f"http://127.0.0.1:{port}")
+        first_token = cluster.start_proxy(workdir / "proxy-first-token.log",
+                                          "--first-token-from-prefill")
         try:
-            first_token.wait_ready()
             yield cluster, first_token.url
         finally:
             first_token.stop()

@@ -7,7 +7,6 @@ its own instead of continuing from P's, the answers would repeat a token and dif
 from __future__ import annotations
 
 import json
-import sys
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +18,7 @@ import pytest
 from prompts import PROMPTS
 
 from vllm_layerkv.testing.cluster import MODEL_NAME, PDCluster, metric
-from vllm_layerkv.testing.servers import HelperProcess, free_port, post_json
+from vllm_layerkv.testing.servers import post_json
 
 pytestmark = pytest.mark.e2e
 MAX_TOKENS = 16
@@ -29,14 +28,9 @@ SAMPLE = PROMPTS[::2]  # 12 prompts, short to multi-chunk
 @pytest.fixture(scope="module")
 def first_token_proxy(cluster: PDCluster, tmp_path_factory: pytest.TempPathFactory
                       ) -> Iterator[str]:
-    port = free_port()
-    proxy = HelperProcess(
-        [sys.executable, "-m", "vllm_layerkv.cli", "proxy", "--first-token-from-prefill",
-         "--prefill", cluster.prefill.url, "--decode", cluster.decode.url,
-         "--port", str(port)],
-        Path(tmp_path_factory.mktemp("ft")) / "proxy.log", f"http://127.0.0.1:{port}")
+    proxy = cluster.start_proxy(Path(tmp_path_factory.mktemp("ft")) / "proxy.log",
+                                "--first-token-from-prefill")
     try:
-        proxy.wait_ready()
         yield proxy.url
     finally:
         proxy.stop()

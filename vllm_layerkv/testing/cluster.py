@@ -104,16 +104,27 @@ class PDCluster:
     def start(self, timeout: float = 600.0) -> PDCluster:
         try:
             start_all(self.servers, timeout=timeout)
-            port = free_port()
-            self.proxy = HelperProcess(
-                [sys.executable, "-m", "vllm_layerkv.cli", "proxy", "--prefill",
-                 self.prefill.url, "--decode", self.decode.url, "--port", str(port)],
-                self.spec.workdir / "proxy.log", f"http://127.0.0.1:{port}")
-            self.proxy.wait_ready()
+            self.proxy = self.start_proxy(self.spec.workdir / "proxy.log")
         except BaseException:
             self.stop()
             raise
         return self
+
+    def start_proxy(self, log_path: Path, *flags: str) -> HelperProcess:
+        """The project's proxy in front of this P and D, with extra ``flags`` (e.g.
+        ``--first-token-from-prefill``), ready; the caller stops it unless it is
+        ``self.proxy``."""
+        port = free_port()
+        proxy = HelperProcess(
+            [sys.executable, "-m", "vllm_layerkv.cli", "proxy", *flags, "--prefill",
+             self.prefill.url, "--decode", self.decode.url, "--port", str(port)],
+            log_path, f"http://127.0.0.1:{port}")
+        try:
+            proxy.wait_ready()
+        except BaseException:
+            proxy.stop()
+            raise
+        return proxy
 
     def stop(self) -> None:
         if self.proxy is not None:
