@@ -98,8 +98,19 @@ def kv_groups(kv_cache_config: Any) -> list[KVGroupInfo]:
             kind=kind, layer_names=tuple(group.layer_names),
             block_size=int(spec.block_size), page_bytes=int(spec.page_size_bytes),
             sliding_window=int(getattr(spec, "sliding_window", 0) or 0),
-            num_spec_blocks=int(getattr(spec, "num_speculative_blocks", 0) or 0)))
+            num_spec_blocks=int(getattr(spec, "num_speculative_blocks", 0) or 0),
+            dtype=_spec_dtype(spec)))
     return out
+
+
+def _spec_dtype(spec: Any) -> str:
+    """A spec's storage dtype(s) as text: attention specs have ``dtype``, ``MambaSpec`` has
+    ``dtypes`` (one per state tensor)."""
+    dtypes = getattr(spec, "dtypes", None)
+    if not dtypes:
+        dtype = getattr(spec, "dtype", None)
+        dtypes = (dtype,) if dtype is not None else ()
+    return "+".join(str(d).removeprefix("torch.") for d in dtypes)
 
 
 def truncate_prompt(request: Any, n: int) -> bool:

@@ -57,11 +57,18 @@ class KVGroupInfo:
     sliding_window: int = 0
     num_spec_blocks: int = 0
     """Mamba: trailing speculative-decoding scratch slots after the running state."""
+    dtype: str = ""
+    """How a block stores its values: the spec's torch dtype (``uint8`` for fp8 caches), or
+    Mamba's state dtypes joined by ``+`` (conv, SSM). Empty if vLLM does not say."""
 
     def signature(self) -> str:
-        """The group as P and D must both see it (part of ``CompatInfo``)."""
+        """The group as P and D must both see it (part of ``CompatInfo``). The dtype is in it
+        because equal page sizes do not mean equal contents: Mamba pads its state page up to
+        the attention page, so an SSM state kept in float32 on one side and bfloat16 on the
+        other (``--mamba-ssm-cache-dtype``) fills pages of the same size."""
         extra = f"/w{self.sliding_window}" if self.kind == "sliding" else ""
-        return f"{self.kind}:{len(self.layer_names)}x{self.block_size}{extra}"
+        dtype = f"/{self.dtype}" if self.dtype else ""
+        return f"{self.kind}:{len(self.layer_names)}x{self.block_size}{extra}{dtype}"
 
 
 def unsupported_kinds(groups: Sequence[KVGroupInfo]) -> list[str]:

@@ -194,6 +194,43 @@ def attention_spec(kv_cache_config: "object"):
     return _group_spec(kv_cache_config.kv_cache_groups[index])  # type: ignore[attr-defined]
 
 
+FP8_CACHE_DTYPES = {"fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
+"""The quantized ``--kv-cache-dtype`` values LayerKV moves, by the format they name (``fp8`` is
+vLLM's alias of ``fp8_e4m3``). Their scales are one K and one V scale per layer, which the
+model holds (from the checkpoint, else 1.0), not the cache: P and D serving the same
+checkpoint read each other's bytes alike."""
+UNQUANTIZED_CACHE_DTYPES = ("auto", "float16", "bfloat16", "float32")
+"""Values whose storage dtype (``CompatInfo.dtype``) says everything about a block."""
+
+
+def kv_cache_format(vllm_config: "object") -> str:
+    """What a peer must match about ``--kv-cache-dtype`` beyond the storage dtype: ``""`` for
+    an unquantized cache, else the fp8 format (plus ``--kv-cache-dtype-skip-layers``). Both fp8
+    formats are stored as bytes, so the storage dtype alone would let an e4m3 P feed an e5m2 D.
+
+    Raises ``LayoutError`` for the other quantized formats (per-token-head, NVFP4,
+    TurboQuant, DeepSeek's ``fp8_ds_mla``): their scales are per token, and where vLLM keeps
+    them has not been checked against LayerKV's whole-page copies, so moving their pages could
+    leave D reading values under scales that never arrived."""
+    cache = getattr(vllm_config, "cache_config", None)
+    name = str(getattr(cache, "cache_dtype", None) or "auto")
+    if name in UNQUANTIZED_CACHE_DTYPES:
+        return ""
+    if name not in FP8_CACHE_DTYPES:
+        raise LayoutError(
+            f"--kv-cache-dtype {name} is not supported by this LayerKV version (its per-token "
+            "scales are not known to travel with the cache pages); serve prefill and decode "
+            f"with one of {', '.join([*UNQUANTIZED_CACHE_DTYPES, *FP8_CACHE_DTYPES])}")
+    if getattr(cache, "calculate_kv_scales", False):  # vLLM 0.26 only; removed later
+        raise LayoutError(
+            "--calculate-kv-scales with an fp8 KV cache: prefill and decode would each compute "
+            "their own scales from their own first batch, so decode would read prefill's fp8 "
+            "values with other scales; drop --calculate-kv-scales (the scales then come from "
+            "the checkpoint, else 1.0)")
+    skipped = getattr(cache, "kv_cache_dtype_skip_layers", None) or []
+    return FP8_CACHE_DTYPES[name] + (f" skip={','.join(map(str, skipped))}" if skipped else "")
+
+
 def _total_kv_heads(vllm_config: "object", groups: "list[KVGroupInfo]") -> int:
     """The model's KV heads before the TP split (0 if vLLM cannot say).
 
@@ -236,4 +273,5 @@ def compat_info(vllm_config: "object", kv_cache_config: "object") -> "CompatInfo
         num_layers=num_layers,
         block_bytes=spec.page_size_bytes,
         kv_groups=[g.signature() for g in groups],
+        kv_cache_format=kv_cache_format(vllm_config),
     )

@@ -31,7 +31,7 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 FRAME_HEADER = struct.Struct("!I")
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
@@ -59,6 +59,10 @@ class CompatInfo(msgspec.Struct, frozen=True, kw_only=True):
     kv_groups: list[str] = []
     """Each KV cache group's kind, layer count, block size (and window): hybrid models must be
     split into the same groups on both sides for block ids to mean the same."""
+    kv_cache_format: str = ""
+    """The fp8 format of a quantized KV cache (``fp8_e4m3``, ``fp8_e5m2``), empty when the
+    cache is unquantized; ``dtype`` is then the element type, while both fp8 formats are
+    stored as bytes (``layout.kv_cache_format``)."""
 
     def hash(self) -> str:
         return hashlib.sha256(msgspec.msgpack.encode(self)).hexdigest()[:16]

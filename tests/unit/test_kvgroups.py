@@ -122,4 +122,23 @@ def test_groups_read_from_a_real_vllm_kv_cache_config() -> None:
     assert [g.kind for g in groups] == ["mamba", "full", "sliding"]
     assert len({g.page_bytes for g in groups}) == 1
     assert groups[2].sliding_window == 64 and not unsupported_kinds(groups)
-    assert [g.signature() for g in groups] == ["mamba:1x16", "full:1x16", "sliding:1x16/w64"]
+    assert [g.signature() for g in groups] == [
+        "mamba:1x16/float32+float32", "full:1x16/float32", "sliding:1x16/w64/float32"]
+
+
+def test_state_dtypes_are_in_the_signature_though_the_page_is_the_same() -> None:
+    """``--mamba-ssm-cache-dtype float32`` on one side only: Mamba's state page is padded up to
+    the attention page either way, so only the dtypes tell the two apart."""
+    attn = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+
+    def mamba(ssm: torch.dtype) -> KVCacheConfig:
+        return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
+            KVCacheGroupSpec(["model.layers.0.mixer"], MambaSpec(
+                block_size=BS, shapes=((3, 8), (4, 16)), dtypes=(torch.bfloat16, ssm),
+                page_size_padded=attn.page_size_bytes)),
+            KVCacheGroupSpec(["model.layers.1.self_attn.attn"], attn)])
+
+    bf16, fp32 = kv_groups(mamba(torch.bfloat16))[0], kv_groups(mamba(torch.float32))[0]
+    assert bf16.page_bytes == fp32.page_bytes
+    assert (bf16.signature(), fp32.signature()) == (
+        "mamba:1x16/bfloat16+bfloat16", "mamba:1x16/bfloat16+float32")

@@ -18,7 +18,15 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from vllm_layerkv import tp
-from vllm_layerkv.layout import KVLayout, LayoutError, attention_spec, compat_info, layer_index
+from vllm_layerkv.layout import (
+    KVLayout,
+    LayoutError,
+    attention_spec,
+    compat_info,
+    kv_cache_format,
+    layer_index,
+)
+from vllm_layerkv.protocol import compatibility_error
 
 NUM_BLOCKS, HEADS, BLOCK_SIZE, HEAD = 10, 2, 16, 8
 
@@ -244,9 +252,11 @@ def test_mla_latent_cache_is_moved_as_whole_blocks() -> None:
     assert layout.block_bytes == spec.page_size_bytes == BLOCK_SIZE * LATENT * 2
 
 
-def _vllm_config(total_kv_heads: int) -> SimpleNamespace:
-    return SimpleNamespace(model_config=SimpleNamespace(
-        model="/models/tiny-deepseek/", get_total_num_kv_heads=lambda: total_kv_heads))
+def _vllm_config(total_kv_heads: int, **cache: object) -> SimpleNamespace:
+    return SimpleNamespace(
+        model_config=SimpleNamespace(model="/models/tiny-deepseek/",
+                                     get_total_num_kv_heads=lambda: total_kv_heads),
+        cache_config=SimpleNamespace(**{"cache_dtype": "auto", **cache}))
 
 
 def test_mla_has_one_replicated_head_whatever_vllm_reports() -> None:
@@ -255,7 +265,7 @@ def test_mla_has_one_replicated_head_whatever_vllm_reports() -> None:
     rank gets whole blocks from one P rank."""
     compat = compat_info(_vllm_config(total_kv_heads=4), _mla_config())
     assert (compat.num_kv_heads, compat.total_kv_heads) == (1, 1)
-    assert compat.kv_groups == ["mla:2x16"] and compat.head_size == LATENT
+    assert compat.kv_groups == ["mla:2x16/bfloat16"] and compat.head_size == LATENT
     assert tp.peer_error(compat, 2, compat, 1, "decode") is None
     assert tp.peer_error(compat, 1, compat, 4, "decode") is None
     assert [r for p in range(2) for r in tp.routes(p, 2, 1, compat.total_kv_heads)] == \
@@ -269,3 +279,59 @@ def test_attention_models_keep_vllms_head_count() -> None:
                              dtype=torch.float32)
     compat = compat_info(_vllm_config(total_kv_heads=8), _kv_config(full))
     assert (compat.num_kv_heads, compat.total_kv_heads) == (HEADS, 8)
+
+
+def _fp8_compat(cache_dtype: str, **cache: object):
+    """What P or D serving a 2-layer model with ``--kv-cache-dtype cache_dtype`` reports (vLLM
+    stores every fp8 format as bytes)."""
+    fp8 = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=HEADS, head_size=HEAD,
+                            dtype=torch.uint8)
+    return compat_info(_vllm_config(8, cache_dtype=cache_dtype, **cache), _kv_config(fp8, fp8))
+
+
+@pytest.mark.parametrize("cache_dtype", ["auto", "bfloat16", "float16"])
+def test_unquantized_caches_are_told_apart_by_their_dtype_alone(cache_dtype: str) -> None:
+    assert kv_cache_format(_vllm_config(8, cache_dtype=cache_dtype)) == ""
+    assert kv_cache_format(SimpleNamespace()) == ""  # a config without cache_config: vLLM's default
+
+
+def test_fp8_caches_carry_their_format() -> None:
+    """``fp8`` is vLLM's alias of ``fp8_e4m3``: the two agree. e4m3 and e5m2 are both stored
+    as bytes of the same size, so only ``kv_cache_format`` tells them apart, and the
+    mismatch message names it."""
+    e4m3, alias, e5m2 = (_fp8_compat(d) for d in ("fp8_e4m3", "fp8", "fp8_e5m2"))
+    assert e4m3.kv_cache_format == "fp8_e4m3" and e4m3.dtype == "uint8"
+    assert e4m3.block_bytes == 2 * BLOCK_SIZE * HEADS * HEAD  # K and V, one byte each
+    assert compatibility_error(e4m3, alias, "decode") is None
+    err = compatibility_error(e4m3, e5m2, "decode")
+    assert err is not None and "kv_cache_format: 'fp8_e4m3' != 'fp8_e5m2'" in err
+    assert e4m3.differences(e5m2) == ["kv_cache_format: 'fp8_e4m3' != 'fp8_e5m2'"]
+
+
+def test_fp8_with_different_tp_still_compares_the_format() -> None:
+    e4m3, e5m2 = _fp8_compat("fp8_e4m3"), _fp8_compat("fp8_e5m2")
+    assert tp.peer_error(e4m3, 2, e4m3, 1, "decode") is None
+    err = tp.peer_error(e4m3, 2, e5m2, 1, "decode")
+    assert err is not None and "kv_cache_format" in err
+
+
+def test_fp8_skipped_layers_are_part_of_the_format() -> None:
+    skip = _fp8_compat("fp8", kv_cache_dtype_skip_layers=["0", "sliding_window"])
+    assert skip.kv_cache_format == "fp8_e4m3 skip=0,sliding_window"
+    assert compatibility_error(skip, _fp8_compat("fp8"), "decode") is not None
+
+
+@pytest.mark.parametrize("cache_dtype", ["fp8_per_token_head", "int8_per_token_head", "nvfp4",
+                                         "turboquant_k8v4", "fp8_ds_mla", "fp8_inc"])
+def test_other_quantized_caches_are_refused_naming_what_works(cache_dtype: str) -> None:
+    with pytest.raises(LayoutError) as e:
+        _fp8_compat(cache_dtype)
+    assert f"--kv-cache-dtype {cache_dtype} is not supported" in str(e.value)
+    assert "fp8_e4m3, fp8_e5m2" in str(e.value) and "auto" in str(e.value)
+
+
+def test_fp8_with_scales_computed_at_run_time_is_refused() -> None:
+    """vLLM 0.26's --calculate-kv-scales: each instance would compute its own scales."""
+    with pytest.raises(LayoutError, match="drop --calculate-kv-scales"):
+        _fp8_compat("fp8", calculate_kv_scales=True)
+    assert _fp8_compat("fp8", calculate_kv_scales=False).kv_cache_format == "fp8_e4m3"
