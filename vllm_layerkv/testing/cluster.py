@@ -45,6 +45,9 @@ class ClusterSpec:
     """Extra `vllm serve` arguments of P (e.g. --tensor-parallel-size 2)."""
     decode_args: list[str] = field(default_factory=list)
     """Extra `vllm serve` arguments of D (e.g. another --block-size)."""
+    common_args: list[str] = field(default_factory=list)
+    """Extra `vllm serve` arguments of every instance, the reference too (e.g.
+    --kv-cache-dtype fp8), before P's and D's own."""
     prefill_cpus: str = "0"
     decode_cpus: str = "1"
     """VLLM_CPU_OMP_THREADS_BIND of P and D: one core each; with --tensor-parallel-size 2 one
@@ -77,14 +80,14 @@ class PDCluster:
             spec.model, free_port(), served_model_name=MODEL_NAME, cpu_bind=spec.prefill_cpus,
             log_path=spec.workdir / "prefill.log", max_model_len=spec.max_model_len,
             max_num_batched_tokens=spec.prefill_batched_tokens, env=spec.connector_env,
-            extra_args=spec.prefill_args,
+            extra_args=[*spec.common_args, *spec.prefill_args],
             enable_prefix_caching=spec.enable_prefix_caching, dtype=spec.dtype,
             kv_transfer_config={"kv_connector": "LayerKV", "kv_role": "kv_producer",
                                 "kv_connector_extra_config": p_extra})
         self.decode = VllmServer(
             spec.model, free_port(), served_model_name=MODEL_NAME, cpu_bind=spec.decode_cpus,
             log_path=spec.workdir / "decode.log", max_model_len=spec.max_model_len,
-            env=spec.connector_env, extra_args=spec.decode_args,
+            env=spec.connector_env, extra_args=[*spec.common_args, *spec.decode_args],
             enable_prefix_caching=spec.enable_prefix_caching, dtype=spec.dtype,
             kv_transfer_config={"kv_connector": "LayerKV", "kv_role": "kv_consumer",
                                 "kv_connector_extra_config": dict(spec.decode_extra),
@@ -92,7 +95,7 @@ class PDCluster:
         self.reference = (VllmServer(
             spec.model, free_port(), served_model_name=MODEL_NAME, cpu_bind=spec.reference_cpus,
             log_path=spec.workdir / "reference.log", max_model_len=spec.max_model_len,
-            max_num_batched_tokens=spec.reference_batched_tokens,
+            max_num_batched_tokens=spec.reference_batched_tokens, extra_args=spec.common_args,
             enable_prefix_caching=spec.enable_prefix_caching, dtype=spec.dtype)
             if spec.with_reference else None)
         self.proxy: HelperProcess | None = None
