@@ -150,6 +150,8 @@ def server(args: argparse.Namespace, role: str, out: Path, kv: dict | None,
         extra += ["--tensor-parallel-size", str(tp)]
     if args.load_format:
         extra += ["--load-format", args.load_format]
+    if args.kv_cache_dtype:
+        extra += ["--kv-cache-dtype", args.kv_cache_dtype]
     return VllmServer(
         args.model, free_port(), served_model_name=NAME,
         cpu_bind=cpu_bind(role, tp), gpus=gpus if gpu else None,
@@ -655,6 +657,9 @@ def main() -> int:
                     help="where the single instance's greedy ids are kept (written by a run "
                          "with 'single', read by later runs without it); default: "
                          "OUT/identity_single.json")
+    ap.add_argument("--kv-cache-dtype", default=None,
+                    help="vLLM --kv-cache-dtype of every instance (e.g. fp8; default: vLLM's, "
+                         "the model's dtype)")
     ap.add_argument("--max-model-len", type=int, default=17000, help="vLLM --max-model-len")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="vLLM --max-num-batched-tokens of every instance (default: vLLM's)")

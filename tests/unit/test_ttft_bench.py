@@ -210,16 +210,34 @@ def test_a_point_keeps_per_token_times_but_not_the_generated_texts(tmp_path) -> 
     assert steps["gaps"] == 4 and steps["median_steady_itl_ms"] == 10.0
 
 
+def deploy_args(**changes: object) -> argparse.Namespace:
+    """The options ``deploy`` reads, as the parser leaves them on CPU."""
+    return argparse.Namespace(**{
+        "device": "cpu", "num_gpus": 2, "gpu_memory_utilization": 0.85, "load_format": None,
+        "model": "/m", "cuda_graphs": False, "dtype": None, "max_model_len": 2048,
+        "max_num_batched_tokens": None, "max_num_seqs": 8, "no_prefix_caching": False,
+        "trace": False, "kv_cache_dtype": None, **changes})
+
+
 def test_layerkv_ft_runs_the_proxy_with_the_first_token_from_prefill(tmp_path) -> None:
-    args = argparse.Namespace(device="cpu", num_gpus=2, gpu_memory_utilization=0.85,
-                              load_format=None, model="/m", cuda_graphs=False, dtype=None,
-                              max_model_len=2048, max_num_batched_tokens=None, max_num_seqs=8,
-                              no_prefix_caching=False, trace=False)
+    args = deploy_args()
     ft = ttft_bench.deploy(ttft_bench.parse_config("layerkv-ft"), args, tmp_path)
     plain = ttft_bench.deploy(ttft_bench.parse_config("layerkv"), args, tmp_path)
     assert ft.proxy_cmd is not None and plain.proxy_cmd is not None
     assert ft.proxy_cmd[-1] == "--first-token-from-prefill"
     assert "--first-token-from-prefill" not in plain.proxy_cmd
+
+
+@pytest.mark.parametrize("config", ["single", "nixl", "layerkv"])
+def test_kv_cache_dtype_reaches_every_server(config: str, tmp_path) -> None:
+    """P, D and the single instance must store KV alike, or the comparison is not one."""
+    deployed = ttft_bench.deploy(ttft_bench.parse_config(config), deploy_args(
+        kv_cache_dtype="fp8"), tmp_path)
+    for server in deployed.servers:
+        cmd = server.command()
+        assert cmd[cmd.index("--kv-cache-dtype") + 1] == "fp8", cmd
+    plain = ttft_bench.deploy(ttft_bench.parse_config(config), deploy_args(), tmp_path)
+    assert not any("--kv-cache-dtype" in s.command() for s in plain.servers)
 
 
 def test_each_repeat_of_a_load_point_has_prompts_of_its_own() -> None:
