@@ -199,7 +199,7 @@ FP8_CACHE_DTYPES = {"fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_
 vLLM's alias of ``fp8_e4m3``). Their scales are one K and one V scale per layer, which the
 model holds (from the checkpoint, else 1.0), not the cache: P and D serving the same
 checkpoint read each other's bytes alike."""
-UNQUANTIZED_CACHE_DTYPES = ("auto", "float16", "bfloat16", "float32")
+UNQUANTIZED_CACHE_DTYPES = ("auto", "bfloat16", "float16")
 """Values whose storage dtype (``CompatInfo.dtype``) says everything about a block."""
 
 

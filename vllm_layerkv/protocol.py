@@ -57,8 +57,9 @@ class CompatInfo(msgspec.Struct, frozen=True, kw_only=True):
     """The model's KV heads over all TP ranks (``num_kv_heads`` and ``block_bytes`` are one
     rank's): what lets P and D with different TP map heads (tp.py)."""
     kv_groups: list[str] = []
-    """Each KV cache group's kind, layer count, block size (and window): hybrid models must be
-    split into the same groups on both sides for block ids to mean the same."""
+    """Each KV cache group's kind, layer count, block size (and window) and storage dtype:
+    hybrid models must be split into the same groups on both sides for block ids to mean the
+    same, and a block must hold the same kind of numbers."""
     kv_cache_format: str = ""
     """The fp8 format of a quantized KV cache (``fp8_e4m3``, ``fp8_e5m2``), empty when the
     cache is unquantized; ``dtype`` is then the element type, while both fp8 formats are
