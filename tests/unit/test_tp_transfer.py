@@ -41,10 +41,14 @@ TRANSPORTS = os.environ.get("LAYERKV_TEST_TRANSPORTS", "tcp,nixl,mooncake").spli
 RING_ENGINES = [t for t in ("nixl", "mooncake") if t in TRANSPORTS]
 
 
-def global_kv(heads: int, seed: int) -> list[torch.Tensor]:
-    """The model's KV per layer: [blocks, heads, block_size, head_dim] float32 (HND)."""
+def global_kv(heads: int, seed: int, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    """The model's KV per layer: [blocks, heads, block_size, head_dim] (HND), float32 or, for
+    an fp8 cache, the bytes vLLM stores it as (uint8)."""
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(BLOCKS, heads, BLOCK_SIZE, HEAD_DIM, generator=gen)
+    if dtype == torch.uint8:
+        return [torch.randint(0, 256, (BLOCKS, heads, BLOCK_SIZE, HEAD_DIM), generator=gen,
+                              dtype=torch.uint8) for _ in range(LAYERS)]
+    return [torch.randn(BLOCKS, heads, BLOCK_SIZE, HEAD_DIM, generator=gen, dtype=dtype)
             for _ in range(LAYERS)]
 
 
@@ -60,10 +64,11 @@ def rank_caches(kv: list[torch.Tensor], rank: int, tp_size: int, heads: int,
     return out
 
 
-def rank_compat(tp_size: int, heads: int):
+def rank_compat(tp_size: int, heads: int, dtype: torch.dtype = torch.float32):
     local = max(1, heads // tp_size)
-    return compat(num_kv_heads=local, block_bytes=local * BLOCK_SIZE * HEAD_DIM * 4,
-                  dtype="float32", total_kv_heads=heads)
+    return compat(num_kv_heads=local,
+                  block_bytes=local * BLOCK_SIZE * HEAD_DIM * dtype.itemsize,
+                  dtype=str(dtype).removeprefix("torch."), total_kv_heads=heads)
 
 
 @dataclass
@@ -84,9 +89,10 @@ class Cluster:
     """``p_tp`` prefill ranks and ``d_tp`` decode ranks of one model with ``heads`` KV heads."""
 
     def __init__(self, transport: str, heads: int, p_tp: int, d_tp: int,
-                 tp_staging: bool = True, staging_bytes: int = 1 << 20, ring_slots: int = 4):
+                 tp_staging: bool = True, staging_bytes: int = 1 << 20, ring_slots: int = 4,
+                 dtype: torch.dtype = torch.float32):
         self.heads, self.p_tp, self.d_tp = heads, p_tp, d_tp
-        self.kv = global_kv(heads, seed=heads * 100 + p_tp * 10 + d_tp)
+        self.kv = global_kv(heads, seed=heads * 100 + p_tp * 10 + d_tp, dtype=dtype)
         config = LayerKVConfig(io_timeout_s=5.0, staging_buffer_mb=max(1, staging_bytes >> 20),
                                recv_ring_slots=ring_slots)
         self.d: list[DRank] = []
@@ -94,7 +100,7 @@ class Cluster:
             caches = rank_caches(self.kv, r, d_tp, heads, fill=SENTINEL)
             layout = KVLayout.from_kv_caches(caches, BLOCKS)
             blocks = HostBlockIO(layout, local_heads=max(1, heads // d_tp))
-            table = RecvTable(rank_compat(d_tp, heads), tp_rank=r, tp_size=d_tp,
+            table = RecvTable(rank_compat(d_tp, heads, dtype), tp_rank=r, tp_size=d_tp,
                               unknown_wait_s=0.3, stats=WorkerStats())
             mover = create_transport(transport, blocks, config)
             endpoint = mover.start_receiver("127.0.0.1", 0, table, blocks, 5.0)
@@ -103,7 +109,7 @@ class Cluster:
         for r in range(p_tp):
             layout = KVLayout.from_kv_caches(rank_caches(self.kv, r, p_tp, heads, None), BLOCKS)
             blocks = HostBlockIO(layout, local_heads=max(1, heads // p_tp))
-            hello = Hello(compat=rank_compat(p_tp, heads), engine_id="prefill", tp_rank=r,
+            hello = Hello(compat=rank_compat(p_tp, heads, dtype), engine_id="prefill", tp_rank=r,
                           tp_size=p_tp)
             stats = WorkerStats()
             sender = Sender(create_transport(transport, blocks, config), blocks, hello,
@@ -223,6 +229,20 @@ def test_slices_land_in_every_decode_rank(cluster, transport, heads, p_tp, d_tp)
         sliced = p_tp != d_tp
         assert (c.ring_writers() > 0) == sliced
         assert all(d.transport._ring is not None for d in c.d) == sliced
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("heads, p_tp, d_tp", [(2, 2, 1), (2, 1, 2)])
+def test_one_byte_values_slice_like_any_other(cluster, transport, heads, p_tp, d_tp) -> None:
+    """An fp8 cache: vLLM stores it as uint8, so a head's slice of a block is a quarter of
+    float32's bytes. Every slice must still land whole, and nothing else move."""
+    c = cluster(transport, heads, p_tp, d_tp, dtype=torch.uint8)
+    src, dst = [3, 4, 5, 9, 20], [7, 8, 9, 1, 30]
+    c.expect("t1", dst)
+    c.send("t1", src[:3], dst[:3], final=False)
+    c.send("t1", src[3:], dst[3:], final=True)
+    c.wait_done("t1")
+    c.check(list(zip(src, dst)))
 
 
 @pytest.mark.parametrize("transport", RING_ENGINES)
