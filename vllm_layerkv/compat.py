@@ -113,6 +113,13 @@ def _spec_dtype(spec: Any) -> str:
     return "+".join(str(d).removeprefix("torch.") for d in dtypes)
 
 
+def computes_kv_scales(vllm_config: Any) -> bool:
+    """vLLM 0.26's ``--calculate-kv-scales``: every instance computes its fp8 KV scales from its
+    own first batch. Gone by 0.32, where the scales always come from the checkpoint (else 1.0)."""
+    return bool(getattr(getattr(vllm_config, "cache_config", None), "calculate_kv_scales",
+                        False))
+
+
 def truncate_prompt(request: Any, n: int) -> bool:
     """Drop the prompt's last ``n`` tokens from a new request and make it produce one token
     (P side of the Mamba backoff, as NixlConnector does it). Touches vLLM's ``Request``

@@ -221,7 +221,9 @@ def kv_cache_format(vllm_config: "object") -> str:
             f"--kv-cache-dtype {name} is not supported by this LayerKV version (its per-token "
             "scales are not known to travel with the cache pages); serve prefill and decode "
             f"with one of {', '.join([*UNQUANTIZED_CACHE_DTYPES, *FP8_CACHE_DTYPES])}")
-    if getattr(cache, "calculate_kv_scales", False):  # vLLM 0.26 only; removed later
+    from vllm_layerkv.compat import computes_kv_scales
+
+    if computes_kv_scales(vllm_config):
         raise LayoutError(
             "--calculate-kv-scales with an fp8 KV cache: prefill and decode would each compute "
             "their own scales from their own first batch, so decode would read prefill's fp8 "
