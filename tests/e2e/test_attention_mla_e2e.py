@@ -41,15 +41,15 @@ import pytest
 from prompts import make_prompt
 
 from vllm_layerkv.testing.cluster import (
-    MODEL_NAME,
     ClusterSpec,
     PDCluster,
+    greedy_completion,
     metric,
     prompt_tokens_by_source,
+    token_ids,
     wait_idle,
 )
 from vllm_layerkv.testing.models import model_path
-from vllm_layerkv.testing.servers import post_json
 
 pytestmark = pytest.mark.e2e
 MAX_TOKENS = 16
@@ -75,15 +75,7 @@ def mla(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[PDCluster, s
 
 
 def complete(url: str, prompt: str) -> dict[str, Any]:
-    status, data = post_json(url + "/v1/completions", {
-        "model": MODEL_NAME, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-        "return_token_ids": True}, timeout=300)
-    assert status == 200, f"HTTP {status}: {data}"
-    return data
-
-
-def token_ids(resp: dict[str, Any]) -> list[int]:
-    return resp["choices"][0]["token_ids"]
+    return greedy_completion(url, prompt, MAX_TOKENS)
 
 
 def assert_idle(cluster: PDCluster) -> None:

@@ -21,14 +21,14 @@ import torch
 from prompts import PROMPTS
 
 from vllm_layerkv.testing.cluster import (
-    MODEL_NAME,
     ClusterSpec,
     PDCluster,
+    greedy_completion,
     metric,
+    token_ids,
     wait_idle,
 )
 from vllm_layerkv.testing.models import model_path
-from vllm_layerkv.testing.servers import post_json
 
 pytestmark = [
     pytest.mark.e2e,
@@ -54,15 +54,7 @@ def fp8(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDCluster]:
 
 
 def complete(url: str, prompt: str) -> dict:
-    status, data = post_json(url + "/v1/completions", {
-        "model": MODEL_NAME, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-        "return_token_ids": True}, timeout=300)
-    assert status == 200, f"HTTP {status}: {data}"
-    return data
-
-
-def token_ids(resp: dict) -> list[int]:
-    return resp["choices"][0]["token_ids"]
+    return greedy_completion(url, prompt, MAX_TOKENS)
 
 
 def test_fp8_cache_outputs_token_identical_to_single_instance(fp8: PDCluster) -> None:

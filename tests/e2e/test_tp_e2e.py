@@ -47,16 +47,16 @@ import pytest
 from prompts import PROMPTS
 
 from vllm_layerkv.testing.cluster import (
-    MODEL_NAME,
     ClusterSpec,
     PDCluster,
+    greedy_completion,
     metric,
     prompt_tokens_by_source,
+    token_ids,
     transports_used,
     wait_idle,
 )
 from vllm_layerkv.testing.models import model_path
-from vllm_layerkv.testing.servers import post_json
 
 pytestmark = pytest.mark.e2e
 MAX_TOKENS = 20
@@ -85,15 +85,7 @@ def _tp_args(tp: int) -> list[str]:
 
 
 def _complete(url: str, prompt: str) -> dict[str, Any]:
-    status, data = post_json(url + "/v1/completions", {
-        "model": MODEL_NAME, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-        "return_token_ids": True}, timeout=300)
-    assert status == 200, f"HTTP {status}: {data}"
-    return data
-
-
-def _token_ids(resp: dict[str, Any]) -> list[int]:
-    return resp["choices"][0]["token_ids"]
+    return greedy_completion(url, prompt, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
@@ -120,7 +112,7 @@ def tp_cluster(request: pytest.FixtureRequest,
         if pd.reference is not None:
             with ThreadPoolExecutor(3) as pool:
                 refs = list(pool.map(lambda p: _complete(pd.reference.url, p), SAMPLE))
-            _EXPECTED[:] = [_token_ids(r) for r in refs]
+            _EXPECTED[:] = [token_ids(r) for r in refs]
             pd.reference.stop()  # frees its memory for the P/D pairs; stop() is idempotent
         yield TPCluster(name, p_tp, d_tp, transport, pd)
 
@@ -134,11 +126,11 @@ def test_outputs_token_identical_to_single_instance(tp_cluster: TPCluster) -> No
     tp_cluster.outputs = outs
     lengths = [o["usage"]["prompt_tokens"] for o in outs]
     assert max(lengths) > 4 * CHUNK, f"longest prompt {max(lengths)} tokens is not multi-chunk"
-    mismatches = [(i, lengths[i], e, _token_ids(o))
-                  for i, (e, o) in enumerate(zip(_EXPECTED, outs)) if e != _token_ids(o)]
+    mismatches = [(i, lengths[i], e, token_ids(o))
+                  for i, (e, o) in enumerate(zip(_EXPECTED, outs)) if e != token_ids(o)]
     assert not mismatches, (f"{tp_cluster.name}: {len(mismatches)} of {len(SAMPLE)} differ "
                             f"(index, prompt tokens, expected, got): {mismatches[:3]}")
-    assert sum(len(_token_ids(o)) == MAX_TOKENS for o in outs) > len(outs) // 2
+    assert sum(len(token_ids(o)) == MAX_TOKENS for o in outs) > len(outs) // 2
     for server in (pd.prefill, pd.decode):
         readings = wait_idle(server)
         assert not any(readings.values()), f"{tp_cluster.name} {server.log_path.stem} leaked: " \

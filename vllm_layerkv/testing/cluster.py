@@ -213,6 +213,21 @@ class PDCluster:
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def greedy_completion(url: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    """``/v1/completions`` at temperature 0 with the token ids returned: what the token-identity
+    tests compare (``token_ids``). Fails on anything but HTTP 200."""
+    status, data = post_json(url + "/v1/completions", {
+        "model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "return_token_ids": True}, timeout=300)
+    if status != 200:
+        raise AssertionError(f"HTTP {status}: {data}")
+    return data
+
+
+def token_ids(response: dict[str, Any]) -> list[int]:
+    return response["choices"][0]["token_ids"]
+
+
 def metric(text: str, name: str) -> float:
     """Sum of all samples of Prometheus metric ``name`` in an exposition ``text``."""
     total, found = 0.0, False
