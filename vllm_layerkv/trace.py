@@ -19,6 +19,11 @@ class Tracer:
         self._path = f"{path}.{role}.{rank}" if path else ""
         self._pending: list[dict[str, Any]] = []
         self._lock = threading.Lock()
+        # Held from taking the pending events until they are written: two threads flush (the
+        # sender after each item, the scheduler after each step), and without it the one that
+        # took the older events could write them after the other's newer ones. ``event`` never
+        # takes it, so the per-layer hook never waits on file I/O.
+        self._write_lock = threading.Lock()
         if self.enabled:
             os.makedirs(os.path.dirname(os.path.abspath(self._path)), exist_ok=True)
 
@@ -33,9 +38,10 @@ class Tracer:
     def flush(self) -> None:
         if not self.enabled:
             return
-        with self._lock:
-            pending, self._pending = self._pending, []
-        if pending:
-            with open(self._path, "a") as f:
-                for e in pending:
-                    f.write(json.dumps(e) + "\n")
+        with self._write_lock:
+            with self._lock:
+                pending, self._pending = self._pending, []
+            if pending:
+                with open(self._path, "a") as f:
+                    for e in pending:
+                        f.write(json.dumps(e) + "\n")
