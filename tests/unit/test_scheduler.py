@@ -502,6 +502,30 @@ def test_decode_prefix_cache_hit_receives_only_the_tail(engines) -> None:
     assert len(tail.src_blocks[0]) == 1 and tail.dst_blocks[0] == d_blocks[9:10]
 
 
+def test_prefill_prefix_cache_hit_still_sends_the_whole_prompt(engines) -> None:
+    """P computed this prompt before (for another D): it now computes only the last 6 tokens,
+    and the 9 blocks it had cached still go to the new D, which has none of them."""
+    p = engines("kv_producer", P_EXTRA, max_num_batched_tokens=CHUNK)
+    for tid in ("warm-p", "cold-d"):  # the same 150-token prompt twice, to two decode instances
+        d = engines("kv_consumer")
+        shift_block_ids(d)
+        rd = create_request(150, decode_params(tid, p.endpoint), max_tokens=1, seed=12)
+        d.scheduler.add_request(rd)
+        d.step()
+        d_blocks = d.block_ids(rd.request_id)
+        rp = create_request(150, {"do_remote_decode": True, "transfer_id": tid}, seed=12)
+        p.scheduler.add_request(rp)
+        d.run_until(lambda: reported(d, "finished_recving", rd.request_id) == 1, others=(p,))
+        assert reported(d, "failed_recving", rd.request_id) == 0
+        assert_kv_arrived(d, rd, d_blocks)
+        run_both_until_idle(p, d)
+    steps = [r for r in p.history if rp.request_id in r.num_scheduled]
+    assert [r.num_scheduled[rp.request_id] for r in steps] == [6]  # P's cache held 144 tokens
+    (task,) = [t for t in sends_of(p) if t.transfer_id == "cold-d"]
+    assert task.new_tokens == 150 and task.final  # what D lacks, not what P computed
+    assert task.dst_blocks[0] == d_blocks and len(task.src_blocks[0]) == 10
+
+
 def test_duplicate_transfer_id_is_served_locally(engines) -> None:
     p = engines("kv_producer", {"registration_wait_s": 0, "registration_timeout_s": 0.3},
                 max_num_batched_tokens=256)
