@@ -1,7 +1,7 @@
 """``vllm-layerkv`` command line: argparse and dispatch only; the work lives in the modules.
 
     vllm-layerkv proxy --prefill URL [URL ...] --decode URL [URL ...] --port N
-                       [--host 127.0.0.1] [--timeout S] [--log-level LEVEL]
+                       [--host 127.0.0.1] [--timeout S] [--routing POLICY] [--log-level LEVEL]
 
 To add a subcommand: write ``_add_<name>(subparsers, common)`` that registers its arguments and
 sets ``func``, and call it from ``build_parser``.
@@ -44,10 +44,13 @@ def _run_proxy(args: argparse.Namespace) -> int:
 
 
 def _add_proxy(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    from vllm_layerkv.proxy.backends import ROUTING_POLICIES
+
     p = sub.add_parser(
         "proxy", parents=[common], help="OpenAI-compatible prefill/decode proxy",
         description="Route OpenAI completion/chat requests to a prefill and a decode vLLM "
-                    "instance at the same time (round-robin over each list); see docs/proxy.md.")
+                    "instance at the same time (by default the instance of each list with the "
+                    "fewest requests in flight); see docs/proxy.md.")
     p.add_argument("--prefill", nargs="+", required=True, type=_backend_url("prefill"),
                    metavar="URL", help="prefill instances, e.g. http://127.0.0.1:8100; append "
                    "#kv=HOST:PORT to give the LayerKV endpoint instead of discovering it")
@@ -65,6 +68,10 @@ def _add_proxy(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
                    help="answer eligible completions with the token P samples, D continuing "
                         "from it: TTFT without D's first step (see docs/proxy.md for which "
                         "requests, and what D needs)")
+    p.add_argument("--routing", choices=ROUTING_POLICIES, default="least-loaded",
+                   help="how each request picks its prefill and its decode instance: "
+                        "least-loaded (the fewest requests in flight, ties in turn; default) or "
+                        "round-robin")
     p.set_defaults(func=_run_proxy)
 
 

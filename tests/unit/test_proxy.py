@@ -145,8 +145,10 @@ class Harness:
     def __init__(self, n_prefill: int = 1, n_decode: int = 1, *,
                  prefill_urls: list[str] | None = None, decode_urls: list[str] | None = None,
                  kv_endpoints: list[str | None] | None = None, startup_timeout: float = 5.0,
-                 prefill_suffix: str = "", first_token_from_prefill: bool = False) -> None:
+                 prefill_suffix: str = "", first_token_from_prefill: bool = False,
+                 routing: str = "least-loaded") -> None:
         self.first_token_from_prefill = first_token_from_prefill
+        self.routing = routing
         self.cluster = Cluster()
         self.kv_endpoints = kv_endpoints or [f"10.0.0.{i + 1}:{7000 + i}"
                                              for i in range(n_prefill)]
@@ -166,7 +168,8 @@ class Harness:
         p_urls = self.extra_prefill_urls or [b.url + self.prefill_suffix for b in self.prefill]
         d_urls = self.extra_decode_urls or [b.url for b in self.decode]
         self.app = build_app(p_urls, d_urls, startup_timeout=self.startup_timeout,
-                             first_token_from_prefill=self.first_token_from_prefill)
+                             first_token_from_prefill=self.first_token_from_prefill,
+                             routing=self.routing)
         self.proxy = self.app[PROXY_KEY]
         self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
         await self.runner.setup()

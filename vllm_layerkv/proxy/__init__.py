@@ -9,7 +9,8 @@ Flow of one ``/v1/completions`` or ``/v1/chat/completions`` request::
                                                             remote_host, remote_port}
     client ◄── D's response (status, JSON body, or the SSE stream chunk by chunk)
 
-* P and D are picked round-robin, independently of each other (any xPyD layout).
+* P and D are picked independently of each other (any xPyD layout): by default the instance
+  with the fewest requests in flight, ties in turn (``--routing``, backends.Router).
 * Both upstream requests are sent **at the same time**. The LayerKV connector on D registers
   with P's LayerKV endpoint (``remote_host:remote_port``) as soon as D has scheduled the request,
   and P streams the KV layer group by layer group while it is still prefilling; waiting for P's
@@ -29,13 +30,13 @@ model id from ``GET /v1/models`` and sends a 1-token completion with
 ``kv_transfer_params={"layerkv_endpoint": "HOST:PORT", ...}`` in the response. The endpoint can
 also be given explicitly as a URL fragment, ``http://p-host:8100#kv=HOST:PORT``.
 
-Modules: ``backends`` (URLs, round-robin), ``bodies`` (the client's body checked, P's and D's
+Modules: ``backends`` (URLs, the router), ``bodies`` (the client's body checked, P's and D's
 derived), ``errors`` (error answers), ``relay`` (D's stream to the client), ``app`` (start-up,
 handlers, the aiohttp application). See docs/proxy.md for usage.
 """
 
 from vllm_layerkv.proxy.app import PROXY_KEY, ProxyApp, build_app, run_proxy
-from vllm_layerkv.proxy.backends import Backend, RoundRobin, parse_backend_url
+from vllm_layerkv.proxy.backends import ROUTING_POLICIES, Backend, Router, parse_backend_url
 from vllm_layerkv.proxy.bodies import (
     decode_body,
     needs_prompt_logprobs,
@@ -47,7 +48,8 @@ __all__ = [
     "PROXY_KEY",
     "Backend",
     "ProxyApp",
-    "RoundRobin",
+    "ROUTING_POLICIES",
+    "Router",
     "build_app",
     "decode_body",
     "needs_prompt_logprobs",

@@ -18,7 +18,8 @@ from aiohttp import web
 
 from vllm_layerkv.proxy.backends import (
     Backend,
-    RoundRobin,
+    Lease,
+    Router,
     parse_backend_url,
     parse_hostport,
 )
@@ -103,20 +104,20 @@ def _answered_ok(task: asyncio.Task[Any]) -> bool:
 
 
 class ProxyApp:
-    """State and handlers of one proxy: backends, round-robin cursors, the HTTP client."""
+    """State and handlers of one proxy: backends, their routers, the HTTP client."""
 
     def __init__(self, prefill: Sequence[Backend], decode: Sequence[Backend], *,
                  startup_timeout: float = 600.0, connect_timeout: float = 10.0,
                  api_key: str | None = None, trace_path: str = "",
-                 first_token_from_prefill: bool = False) -> None:
-        self.prefill = RoundRobin(prefill)
+                 first_token_from_prefill: bool = False, routing: str = "least-loaded") -> None:
+        self.prefill = Router(prefill, routing)
         self.first_token_from_prefill = first_token_from_prefill
         """Answer eligible requests with P's token first; D continues from it
         (first_token.py)."""
         self.tracer = Tracer(trace_path, "proxy", 0)
         """Per-request timestamps (arrival, D's first bytes, end) by transfer_id, for
         the TTFT profile (benchmarks/profile_trace.py); off unless --trace is given."""
-        self.decode = RoundRobin(decode)
+        self.decode = Router(decode, routing)
         self.startup_timeout = startup_timeout
         self.connect_timeout = connect_timeout
         self.api_key = api_key
@@ -381,7 +382,8 @@ class ProxyApp:
     async def _serve_prefill_only(self, request: web.Request, raw: bytes, tid: str
                                   ) -> web.StreamResponse:
         """Prompt-logprob requests: P computes the prompt's logits, D never does."""
-        p = self.prefill.next()
+        lease = self.prefill.pick()
+        p = lease.backend
         logger.debug("request %s: prompt logprobs -> prefill-only P=%s", tid, p.url)
         task = asyncio.create_task(self._send(p, request.path, raw,
                                               self._upstream_headers(request, tid), True))
@@ -398,6 +400,7 @@ class ProxyApp:
             return await self._await_relay(relay, relay_task, tid)
         finally:
             await _cancel_and_wait([task, relay_task])
+            lease.release()
 
     async def _await_relay(self, relay: StreamRelay, relay_task: asyncio.Task[None], tid: str
                            ) -> web.StreamResponse:
@@ -415,8 +418,23 @@ class ProxyApp:
 
     async def _serve_pd(self, request: web.Request, body: dict[str, Any], chat: bool, tid: str,
                         first_token: bool = False) -> web.StreamResponse:
-        p = self.prefill.next()
-        d = self.decode.next()
+        """Pick P and D, and hold each until that instance is done with the request: D until
+        its answer is relayed (or cut off), P until its own request ends, which may be after
+        the handler returns (``_in_background``)."""
+        p_lease, d_lease = self.prefill.pick(), self.decode.pick()
+        try:
+            return await self._serve_pd_on(p_lease, d_lease.backend, request, body, chat, tid,
+                                           first_token)
+        finally:
+            d_lease.release()
+            if p_lease.task is None:  # returned before P was asked
+                p_lease.release()
+
+    async def _serve_pd_on(self, p_lease: Lease, d: Backend, request: web.Request,
+                           body: dict[str, Any], chat: bool, tid: str, first_token: bool
+                           ) -> web.StreamResponse:
+        """One P/D request on the chosen instances."""
+        p = p_lease.backend
         await self.wait_ready()  # no-op once start-up discovery is over
         try:
             host, port = await self.kv_endpoint(p)
@@ -434,6 +452,7 @@ class ProxyApp:
         p_task = asyncio.create_task(self._send(
             p, request.path, encode_json(prefill_body(body, tid, chat, first_token)), headers,
             False))
+        p_lease.end_with(p_task)
         d_task = asyncio.create_task(self._send(
             d, request.path, encode_json(decode_body(body, tid, host, port, first_token)),
             headers, True))
@@ -583,7 +602,8 @@ class ProxyApp:
             await _cancel_and_wait([relay_task])
 
     async def handle_models(self, request: web.Request) -> web.StreamResponse:
-        d = self.decode.next()
+        lease = self.decode.pick()
+        d = lease.backend
         try:
             async with self.session.get(d.url + "/v1/models",
                                         headers=self._upstream_headers(request, None)) as r:
@@ -614,7 +634,8 @@ class ProxyApp:
         report: dict[str, dict[str, Any]] = {"prefill": {}, "decode": {}}
         failing: list[str] = []
         for b, (ok, detail) in zip(backends, results, strict=True):
-            entry: dict[str, Any] = {"healthy": ok, "status": detail}
+            entry: dict[str, Any] = {"healthy": ok, "status": detail,
+                                     "in_flight": b.in_flight}
             if b.role == "prefill":
                 entry["layerkv_endpoint"] = ("%s:%d" % b.kv_endpoint) if b.kv_endpoint else None
                 if ok and b.kv_endpoint is None and b.discovery_error is not None:
@@ -669,7 +690,8 @@ PROXY_KEY = web.AppKey("layerkv_proxy", ProxyApp)
 def build_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], *,
               startup_timeout: float = 600.0, connect_timeout: float = 10.0,
               api_key: str | None = None, trace_path: str = "",
-              first_token_from_prefill: bool = False) -> web.Application:
+              first_token_from_prefill: bool = False, routing: str = "least-loaded"
+              ) -> web.Application:
     """The proxy as an aiohttp application (``app[PROXY_KEY]`` is its ProxyApp).
 
     Run it with ``handler_cancellation=True`` (``run_proxy`` and aiohttp's TestServer do) so a
@@ -681,7 +703,7 @@ def build_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], *,
     decode = [parse_backend_url(u, "decode") for u in decode_urls]
     proxy = ProxyApp(prefill, decode, startup_timeout=startup_timeout,
                      connect_timeout=connect_timeout, api_key=api_key, trace_path=trace_path,
-                     first_token_from_prefill=first_token_from_prefill)
+                     first_token_from_prefill=first_token_from_prefill, routing=routing)
     app = web.Application(middlewares=[_error_middleware], client_max_size=MAX_REQUEST_BYTES)
     app[PROXY_KEY] = proxy
     app.on_startup.append(proxy.on_startup)
@@ -703,11 +725,12 @@ def run_proxy(args: Any) -> None:
                     api_key=os.environ.get("VLLM_API_KEY") or None,
                     trace_path=getattr(args, "trace", "") or "",
                     first_token_from_prefill=bool(getattr(args, "first_token_from_prefill",
-                                                          False)))
+                                                          False)),
+                    routing=getattr(args, "routing", "least-loaded"))
     proxy = app[PROXY_KEY]
-    logger.info("LayerKV proxy on http://%s:%d  prefill: %s  decode: %s", args.host, args.port,
-                " ".join(b.url for b in proxy.prefill.items),
-                " ".join(b.url for b in proxy.decode.items))
+    logger.info("LayerKV proxy on http://%s:%d  prefill: %s  decode: %s  routing: %s", args.host,
+                args.port, " ".join(b.url for b in proxy.prefill.items),
+                " ".join(b.url for b in proxy.decode.items), proxy.prefill.policy)
     # access_log=None: one access line per request would cost real time at benchmark rates;
     # requests are logged at DEBUG with their transfer_id instead.
     web.run_app(app, host=args.host, port=args.port, handler_cancellation=True,

@@ -1,13 +1,13 @@
 """The proxy's backends: a prefill or decode instance's URL (with an optional LayerKV endpoint
-given as ``#kv=HOST:PORT``), validated with errors that say what to change, and the
-round-robin cursor that picks one per request."""
+given as ``#kv=HOST:PORT``), validated with errors that say what to change, and the router that
+picks one per request and counts the requests each has in flight."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import Generic, Iterable, TypeVar
+from typing import Any, Iterable
 from urllib.parse import urlsplit
 
 logger = logging.getLogger("vllm_layerkv.proxy")
@@ -38,6 +38,8 @@ class Backend:
     discovery_error: str | None = None
     """Prefill only: why the last discovery of ``kv_endpoint`` failed (None after a success)."""
     discover_lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
+    in_flight: int = 0
+    """Requests routed here that this instance has not finished (its ``Router`` counts them)."""
 
     def __str__(self) -> str:
         return f"{self.role} {self.url}"
@@ -80,19 +82,59 @@ def parse_backend_url(text: str, role: str) -> Backend:
     return backend
 
 
-T = TypeVar("T")
+ROUTING_POLICIES = ("least-loaded", "round-robin")
 
 
-class RoundRobin(Generic[T]):
-    """Cycles through a fixed list. Single-threaded (event loop), so no lock is needed."""
+class Lease:
+    """One request's hold on a backend: ``release`` (idempotent) when the instance is done with
+    it, e.g. P's answer arrived or D's stream ended."""
 
-    def __init__(self, items: Iterable[T]) -> None:
-        self.items: list[T] = list(items)
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.task: asyncio.Task[Any] | None = None
+        """The request task this lease ends with (``end_with``), if any."""
+        self._held = True
+        backend.in_flight += 1
+
+    def end_with(self, task: asyncio.Task[Any]) -> None:
+        """Release when ``task`` (the request to this backend) ends, however it ends."""
+        self.task = task
+        task.add_done_callback(lambda _: self.release())
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self.backend.in_flight -= 1
+
+
+class Router:
+    """Picks the backend of each request from one role's list.
+
+    ``least-loaded`` (the default) takes a backend with the fewest requests in flight, and
+    breaks ties in turn from where the last pick left off. An idle or evenly loaded list is
+    therefore cycled exactly as ``round-robin`` would. When a long prompt keeps one prefill
+    instance busy, new requests go to the others instead of queueing behind it. ``round-robin``
+    takes the next backend in turn whatever its load.
+
+    Single-threaded (the event loop), so no lock is needed."""
+
+    def __init__(self, backends: Iterable[Backend], policy: str = "least-loaded") -> None:
+        self.items: list[Backend] = list(backends)
         if not self.items:
-            raise ValueError("RoundRobin needs at least one item")
+            raise ValueError("a router needs at least one backend")
+        if policy not in ROUTING_POLICIES:
+            raise ValueError(f"routing policy must be one of {', '.join(ROUTING_POLICIES)}, "
+                             f"got {policy!r}")
+        self.policy = policy
         self._next = 0
 
-    def next(self) -> T:
-        item = self.items[self._next]
-        self._next = (self._next + 1) % len(self.items)
-        return item
+    def pick(self) -> Lease:
+        n = len(self.items)
+        in_turn = [(self._next + k) % n for k in range(n)]
+        if self.policy == "least-loaded":
+            # min() keeps the first of equals: the one whose turn comes first
+            chosen = min(in_turn, key=lambda i: self.items[i].in_flight)
+        else:
+            chosen = in_turn[0]
+        self._next = (chosen + 1) % n
+        return Lease(self.items[chosen])
