@@ -146,8 +146,10 @@ class Harness:
                  prefill_urls: list[str] | None = None, decode_urls: list[str] | None = None,
                  kv_endpoints: list[str | None] | None = None, startup_timeout: float = 5.0,
                  prefill_suffix: str = "", first_token_from_prefill: bool = False,
-                 routing: str = "least-loaded") -> None:
+                 routing: str = "least-loaded", dead_decode_urls: list[str] | None = None
+                 ) -> None:
         self.first_token_from_prefill = first_token_from_prefill
+        self.dead_decode_urls = dead_decode_urls or []  # given to the proxy before the fakes
         self.routing = routing
         self.cluster = Cluster()
         self.kv_endpoints = kv_endpoints or [f"10.0.0.{i + 1}:{7000 + i}"
@@ -166,7 +168,8 @@ class Harness:
         self.decode = [await FakeBackend(self.cluster, "decode", i).start()
                        for i in range(self.n_decode)]
         p_urls = self.extra_prefill_urls or [b.url + self.prefill_suffix for b in self.prefill]
-        d_urls = self.extra_decode_urls or [b.url for b in self.decode]
+        d_urls = self.extra_decode_urls or [*self.dead_decode_urls,
+                                            *(b.url for b in self.decode)]
         self.app = build_app(p_urls, d_urls, startup_timeout=self.startup_timeout,
                              first_token_from_prefill=self.first_token_from_prefill,
                              routing=self.routing)

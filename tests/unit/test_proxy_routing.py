@@ -9,9 +9,10 @@ import time
 
 import pytest
 from aiohttp import web
-from test_proxy import WAIT_S, Harness, completion, run
+from test_proxy import WAIT_S, Harness, completion, free_port, run
 
 from vllm_layerkv.proxy import ROUTING_POLICIES, Backend, Router
+from vllm_layerkv.proxy import backends as backends_module
 
 
 def backends(n: int) -> list[Backend]:
@@ -45,6 +46,27 @@ def test_round_robin_ignores_the_load() -> None:
     held = [router.pick() for _ in range(3)]  # nothing released
     assert urls([lease.backend for lease in held]) == [0, 1, 0]
     assert [b.in_flight for b in router.items] == [2, 1]
+
+
+@pytest.mark.parametrize("policy", ROUTING_POLICIES)
+def test_an_unreachable_backend_is_passed_over_unless_all_are(policy: str) -> None:
+    router = Router(backends(3), policy)
+
+    def picks(n: int) -> list[int]:
+        picked = []
+        for _ in range(n):
+            lease = router.pick()
+            picked.append(lease.backend)
+            lease.release()
+        return urls(picked)
+
+    router.items[0].mark_unreachable("test")
+    assert picks(4) == [1, 2, 1, 2]
+    for b in router.items:
+        b.mark_unreachable("test")
+    assert sorted(picks(3)) == [0, 1, 2]
+    router.items[0].mark_reachable()
+    assert router.items[0].unreachable_until == 0.0
 
 
 def test_a_lease_releases_once() -> None:
@@ -188,5 +210,43 @@ def test_hold_ends_when_the_prefill_endpoint_is_unknown() -> None:
             assert h.prefill[0].requests == [] and h.decode[0].requests == []
             assert [b.in_flight for b in h.proxy.prefill.items] == [0]
             assert [b.in_flight for b in h.proxy.decode.items] == [0]
+
+    run(main())
+
+
+def test_requests_route_around_an_unreachable_decode_instance(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One request finds D0 down (502, naming it); the next ones go to D1 until the back-off
+    ends, and then D0 is tried again."""
+    monkeypatch.setattr(backends_module, "UNREACHABLE_BACKOFF_S", 0.5)
+    dead = f"http://127.0.0.1:{free_port()}"
+
+    async def main() -> None:
+        async with Harness(1, 1, dead_decode_urls=[dead], startup_timeout=0.2) as h:
+            await h.proxy.wait_ready()
+            status, out = await h.post("/v1/completions", completion())
+            assert status == 502 and dead in out["error"]["message"], out
+            for _ in range(3):
+                status, out = await h.post("/v1/completions", completion())
+                assert status == 200, out
+            await asyncio.sleep(0.6)
+            status, out = await h.post("/v1/completions", completion())
+            assert status == 502, out  # tried again after the back-off
+            assert [b.in_flight for b in h.proxy.decode.items] == [0, 0]
+            assert len(h.decode[0].requests) == 3
+
+    run(main())
+
+
+def test_health_polling_marks_an_unreachable_instance_before_any_request_fails() -> None:
+    async def main() -> None:
+        dead = f"http://127.0.0.1:{free_port()}"
+        async with Harness(1, 1, dead_decode_urls=[dead], startup_timeout=0.2) as h:
+            await h.proxy.wait_ready()
+            async with h.client.get(h.url + "/health") as r:
+                assert r.status == 503
+            for _ in range(2):
+                status, out = await h.post("/v1/completions", completion())
+                assert status == 200, out
 
     run(main())

@@ -36,7 +36,12 @@ handlers, the aiohttp application). See docs/proxy.md for usage.
 """
 
 from vllm_layerkv.proxy.app import PROXY_KEY, ProxyApp, build_app, run_proxy
-from vllm_layerkv.proxy.backends import ROUTING_POLICIES, Backend, Router, parse_backend_url
+from vllm_layerkv.proxy.backends import (
+    ROUTING_POLICIES,
+    Backend,
+    Router,
+    parse_backend_url,
+)
 from vllm_layerkv.proxy.bodies import (
     decode_body,
     needs_prompt_logprobs,

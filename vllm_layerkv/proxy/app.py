@@ -176,8 +176,11 @@ class ProxyApp:
             async with self.session.get(backend.url + "/health", headers=self._upstream_headers(
                     None, None), timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)) as r:
                 await r.read()
+                backend.mark_reachable()
                 return r.status == 200, f"HTTP {r.status}"
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            if self._ready.is_set():  # at start-up, instances still booting are expected
+                backend.mark_unreachable(f"/health: {type(e).__name__}: {e}")
             return False, f"unreachable: {type(e).__name__}: {e}".rstrip(": ")
 
     async def _startup(self) -> None:
@@ -297,8 +300,10 @@ class ProxyApp:
         try:
             resp = await self.session.post(backend.url + path, data=payload, headers=headers)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            backend.mark_unreachable(f"{type(e).__name__}: {e}")
             raise UpstreamError(backend, f"{backend} is unreachable: {type(e).__name__}: "
                                 f"{e}") from None
+        backend.mark_reachable()
         handed_off = False
         try:
             if allow_stream and resp.status == 200 and resp.content_type == "text/event-stream":

@@ -6,11 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 from urllib.parse import urlsplit
 
 logger = logging.getLogger("vllm_layerkv.proxy")
+
+UNREACHABLE_BACKOFF_S = 5.0
+"""After a request or health check could not reach an instance, the router passes it over for
+this long (unless every instance of its role is passed over), then tries it again."""
 
 
 def parse_hostport(text: str, what: str) -> tuple[str, int]:
@@ -40,6 +45,19 @@ class Backend:
     discover_lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
     in_flight: int = 0
     """Requests routed here that this instance has not finished (its ``Router`` counts them)."""
+    unreachable_until: float = 0.0
+    """``time.monotonic()`` until which the router passes this instance over (0: reachable)."""
+
+    def mark_unreachable(self, why: str) -> None:
+        if not self.unreachable_until:
+            logger.warning("%s is unreachable (%s); routing around it for %g s, then trying "
+                           "it again", self, why, UNREACHABLE_BACKOFF_S)
+        self.unreachable_until = time.monotonic() + UNREACHABLE_BACKOFF_S
+
+    def mark_reachable(self) -> None:
+        if self.unreachable_until:
+            logger.info("%s is reachable again", self)
+        self.unreachable_until = 0.0
 
     def __str__(self) -> str:
         return f"{self.role} {self.url}"
@@ -116,6 +134,10 @@ class Router:
     instance busy, new requests go to the others instead of queueing behind it. ``round-robin``
     takes the next backend in turn whatever its load.
 
+    Both pass over a backend that was unreachable within ``UNREACHABLE_BACKOFF_S``, unless
+    every backend is; then they choose among all (the request fails saying which instance is
+    unreachable, rather than being refused by the proxy).
+
     Single-threaded (the event loop), so no lock is needed."""
 
     def __init__(self, backends: Iterable[Backend], policy: str = "least-loaded") -> None:
@@ -130,7 +152,9 @@ class Router:
 
     def pick(self) -> Lease:
         n = len(self.items)
+        now = time.monotonic()
         in_turn = [(self._next + k) % n for k in range(n)]
+        in_turn = [i for i in in_turn if self.items[i].unreachable_until <= now] or in_turn
         if self.policy == "least-loaded":
             # min() keeps the first of equals: the one whose turn comes first
             chosen = min(in_turn, key=lambda i: self.items[i].in_flight)
