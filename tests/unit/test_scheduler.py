@@ -526,6 +526,40 @@ def test_prefill_prefix_cache_hit_still_sends_the_whole_prompt(engines) -> None:
     assert task.dst_blocks[0] == d_blocks and len(task.src_blocks[0]) == 10
 
 
+def test_one_prefill_feeds_two_decode_instances_at_once(engines) -> None:
+    """1P2D: two requests in P's same steps, each streamed to its own decode instance."""
+    p = engines("kv_producer", P_EXTRA, max_num_batched_tokens=2 * CHUNK)
+    ds = [engines("kv_consumer"), engines("kv_consumer")]
+    shift_block_ids(ds[1], 160)  # the two D's block ids differ from each other and from P's
+    rds, d_blocks = [], []
+    for i, d in enumerate(ds):
+        rd = create_request(150, decode_params(f"t-{i}", p.endpoint), max_tokens=2, seed=20 + i)
+        d.scheduler.add_request(rd)
+        d.step()
+        rds.append(rd)
+        d_blocks.append(d.block_ids(rd.request_id))
+    rps = [create_request(150, {"do_remote_decode": True, "transfer_id": f"t-{i}"},
+                          seed=20 + i) for i in range(2)]
+    for rp in rps:
+        p.scheduler.add_request(rp)
+    p.run_until(lambda: all(rp.request_id in p.finished for rp in rps), others=tuple(ds))
+    both = [r for r in p.history if all(rp.request_id in r.num_scheduled for rp in rps)]
+    assert both, "the two prompts never shared a step"
+    for d, rd, blocks in zip(ds, rds, d_blocks):
+        d.run_until(lambda: reported(d, "finished_recving", rd.request_id) == 1, others=(p,))
+        assert reported(d, "failed_recving", rd.request_id) == 0
+        assert_kv_arrived(d, rd, blocks)
+    for i, task in enumerate(t for t in sends_of(p) if t.final):
+        assert task.transfer_id == f"t-{i}"
+        assert task.peer.data_endpoints == [ds[i].worker.get_handshake_metadata().data_endpoint]
+    deadline = time.monotonic() + 15
+    while not all(e.idle() for e in (p, *ds)):
+        assert time.monotonic() < deadline
+        for e in (p, *ds):
+            e.step()
+    assert_all_empty(p, *ds)
+
+
 def test_duplicate_transfer_id_is_served_locally(engines) -> None:
     p = engines("kv_producer", {"registration_wait_s": 0, "registration_timeout_s": 0.3},
                 max_num_batched_tokens=256)
