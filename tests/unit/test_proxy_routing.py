@@ -250,3 +250,15 @@ def test_health_polling_marks_an_unreachable_instance_before_any_request_fails()
                 assert status == 200, out
 
     run(main())
+
+
+def test_model_listings_hold_nothing() -> None:
+    async def main() -> None:
+        async with Harness(1, 2) as h:
+            for _ in range(3):
+                async with h.client.get(h.url + "/v1/models") as r:
+                    assert r.status == 200
+            assert [h.decode[i].models_gets for i in range(2)] == [2, 1]
+            assert [b.in_flight for b in h.proxy.decode.items] == [0, 0]
+
+    run(main())

@@ -616,7 +616,10 @@ class ProxyApp:
                 return web.Response(status=r.status, body=body, headers={
                     "Content-Type": r.headers.get("Content-Type", "application/json")})
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            d.mark_unreachable(f"{type(e).__name__}: {e}")
             raise UpstreamError(d, f"{d} is unreachable: {type(e).__name__}: {e}") from None
+        finally:
+            lease.release()
 
     def _rediscover(self, backend: Backend) -> None:
         """Retry a failed discovery without waiting for it (one attempt at a time)."""
