@@ -8,13 +8,16 @@ out of memory with six servers up."""
 
 from __future__ import annotations
 
+import json
 import os
+import time
 from pathlib import Path
 
 import pytest
 
 from vllm_layerkv.testing.cluster import ClusterSpec, PDCluster, wait_idle
 from vllm_layerkv.testing.models import model_path
+from vllm_layerkv.testing.servers import get_text
 from vllm_layerkv.transport.faults import ENV as FAULTS_ENV
 
 # Short robustness timeouts so the failure tests finish quickly (defaults: docs/configuration.md)
@@ -35,8 +38,24 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture
 def no_leaks(cluster: PDCluster):
-    """After the test, both P and D must return to idle: no requests, no blocks in use."""
+    """After the test, both P and D must return to idle: no requests, no blocks in use; and
+    the proxy must hold no request on either (its routing counts, ``in_flight`` in /health)."""
     yield
     for server in (cluster.prefill, cluster.decode):
         readings = wait_idle(server)
         assert not any(readings.values()), f"{server.log_path.stem} leaked: {readings}"
+    if cluster.proxy is not None:
+        held = proxy_in_flight(cluster.proxy.url)
+        deadline = time.monotonic() + 10
+        while any(held.values()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+            held = proxy_in_flight(cluster.proxy.url)
+        assert not any(held.values()), f"the proxy still counts requests in flight: {held}"
+
+
+def proxy_in_flight(proxy_url: str) -> dict[str, int]:
+    """Each backend's ``in_flight`` from the proxy's /health (200 or 503 alike)."""
+    _, text = get_text(proxy_url + "/health")
+    report = json.loads(text)
+    return {f"{role} {url}": entry["in_flight"] for role in ("prefill", "decode")
+            for url, entry in report[role].items()}
