@@ -22,6 +22,7 @@ import threading
 from collections.abc import Callable
 
 from vllm_layerkv.protocol import Cancel, FirstToken, Message, Refused, Register, RegisterAck
+from vllm_layerkv.threads import start_thread
 from vllm_layerkv.transport import framing
 
 logger = logging.getLogger("vllm.layerkv.registrar")
@@ -54,9 +55,8 @@ class RegistrationServer:
         first token (until it is pushed or the transfer is forgotten)."""
         self._routes_lock = threading.Lock()
         self._pushes: queue.SimpleQueue[tuple[_Link, FirstToken] | None] = queue.SimpleQueue()
-        threading.Thread(target=self._accept_loop, name="layerkv-registrar", daemon=True).start()
-        threading.Thread(target=self._push_loop, name="layerkv-registrar-push",
-                         daemon=True).start()
+        start_thread(self._accept_loop, "layerkv-registrar")
+        start_thread(self._push_loop, "layerkv-registrar-push")
 
     def close(self) -> None:
         self._stop.set()
@@ -98,8 +98,7 @@ class RegistrationServer:
             except OSError:
                 return
             framing.tune(conn)
-            threading.Thread(target=self._serve, args=(conn, addr), daemon=True,
-                             name=f"layerkv-registrar-{addr[1]}").start()
+            start_thread(self._serve, f"layerkv-registrar-{addr[1]}", conn, addr)
 
     def _serve(self, conn: socket.socket, addr: tuple) -> None:
         link = _Link(conn)
@@ -140,9 +139,7 @@ class RegistrationClient:
         self.replies: queue.SimpleQueue[RegisterAck | Refused | FirstToken] = queue.SimpleQueue()
         self._conns: dict[str, tuple[socket.socket, queue.SimpleQueue]] = {}
         """endpoint -> (connection, the answers its reader hands to ``_exchange``)."""
-        self._thread = threading.Thread(target=self._run, name="layerkv-register-client",
-                                        daemon=True)
-        self._thread.start()
+        self._thread = start_thread(self._run, "layerkv-register-client")
 
     def send(self, endpoint: str, msg: Message) -> None:
         self._outbox.put((endpoint, msg))
@@ -195,8 +192,7 @@ class RegistrationClient:
             conn.settimeout(None)  # the reader blocks; answers are awaited with io_timeout
             entry = (conn, queue.SimpleQueue())
             self._conns[endpoint] = entry
-            threading.Thread(target=self._read, args=(endpoint, *entry), daemon=True,
-                             name="layerkv-register-reader").start()
+            start_thread(self._read, "layerkv-register-reader", endpoint, *entry)
         return entry
 
     def _read(self, endpoint: str, conn: socket.socket, answers: queue.SimpleQueue) -> None:

@@ -36,6 +36,7 @@ from vllm_layerkv.blockio import BlockIO
 from vllm_layerkv.metadata import Peer, SendTask
 from vllm_layerkv.protocol import Hello, TransferAck
 from vllm_layerkv.stats import WorkerStats
+from vllm_layerkv.threads import start_thread
 from vllm_layerkv.trace import Tracer
 from vllm_layerkv.transport.base import PendingWrite, SendChannel, Transport, TransportError
 
@@ -163,8 +164,7 @@ class Sender:
         self._channels: dict[str, SendChannel] = {}
         if transport.host_bounce:
             self._prepare_bounce()
-        self._thread = threading.Thread(target=self._run, name="layerkv-sender", daemon=True)
-        self._thread.start()
+        self._thread = start_thread(self._run, "layerkv-sender")
 
     def _prepare_bounce(self) -> None:
         """Start-up, when sends may go through staging and host memory (``host_bounce``):

@@ -51,6 +51,7 @@ from vllm_layerkv.protocol import (
     WriteGrant,
 )
 from vllm_layerkv.staging import RecvRing, StagingError, scatter
+from vllm_layerkv.threads import start_thread
 from vllm_layerkv.transport import faults, framing
 from vllm_layerkv.transport.base import (
     ReceiveSink,
@@ -181,8 +182,7 @@ class TcpTransport(Transport):
         self._prepare_bounce(blocks)
         self._server = framing.listen(host, port)
         bound_port = self._server.getsockname()[1]
-        threading.Thread(target=self._accept_loop, args=(sink, blocks, io_timeout),
-                         name="layerkv-accept", daemon=True).start()
+        start_thread(self._accept_loop, "layerkv-accept", sink, blocks, io_timeout)
         return f"{host}:{bound_port}"
 
     def shutdown(self) -> None:
@@ -211,8 +211,7 @@ class TcpTransport(Transport):
             conn.settimeout(io_timeout)
             with self._lock:
                 self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn, addr, sink, blocks),
-                             name=f"layerkv-recv-{addr[1]}", daemon=True).start()
+            start_thread(self._serve, f"layerkv-recv-{addr[1]}", conn, addr, sink, blocks)
 
     def _serve(self, conn: socket.socket, addr: tuple, sink: ReceiveSink,
                blocks: BlockIO) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import queue
 import socket
-import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -32,6 +31,7 @@ from vllm_layerkv.protocol import (
     TransferNearlyDone,
     WriteGrant,
 )
+from vllm_layerkv.threads import start_thread
 from vllm_layerkv.transport import faults, framing
 from vllm_layerkv.transport.base import PendingWrite, SendChannel, TransportError
 from vllm_layerkv.transport.direct import DirectWriteFailed, PeerWriter
@@ -67,10 +67,7 @@ class TcpSendChannel(SendChannel):
         self._seq = 0
         self._late_faults: set[str] = set()
         """Test faults (faults.py): transfers whose writes fail from now on."""
-        self._reader = threading.Thread(
-            target=self._read_acks, name=f"layerkv-acks-{endpoint}", daemon=True
-        )
-        self._reader.start()
+        self._reader = start_thread(self._read_acks, f"layerkv-acks-{endpoint}")
 
     @property
     def alive(self) -> bool:

@@ -1,0 +1,58 @@
+"""threads.py: LayerKV's threads carry their names into the kernel (``lkv-...``), where
+``top -H`` and benchmarks/cpu_usage.py read them; Python keeps the full name."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from vllm_layerkv.registrar import RegistrationServer
+from vllm_layerkv.threads import kernel_name, start_thread
+
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+
+def kernel_names() -> set[str]:
+    return {(task / "comm").read_text().strip() for task in Path("/proc/self/task").iterdir()}
+
+
+def test_kernel_name_shortens_the_prefix_and_keeps_15_bytes() -> None:
+    assert kernel_name("layerkv-sender") == "lkv-sender"
+    assert kernel_name("layerkv-registrar-push") == "lkv-registrar-p"
+    assert kernel_name("layerkv-acks-127.0.0.1:5555") == "lkv-acks-127.0."
+    assert kernel_name("other") == "other"
+    assert len(kernel_name("layerkv-" + "x" * 40).encode()) == 15
+
+
+@linux_only
+def test_a_started_thread_names_itself_in_the_kernel() -> None:
+    seen: dict[str, object] = {}
+
+    def body(a: int, b: str) -> None:
+        comm = Path(f"/proc/self/task/{threading.get_native_id()}/comm")
+        seen.update(comm=comm.read_text().strip(), args=(a, b),
+                    python=threading.current_thread().name)
+
+    t = start_thread(body, "layerkv-registrar-push", 7, "x")
+    t.join(5)
+    assert t.daemon
+    assert seen == {"comm": "lkv-registrar-p", "args": (7, "x"),
+                    "python": "layerkv-registrar-push"}
+
+
+@linux_only
+def test_a_real_component_shows_its_threads_by_name() -> None:
+    server = RegistrationServer("127.0.0.1", 0, on_register=lambda reg: None,
+                                on_cancel=lambda c: None)
+    try:
+        deadline = time.monotonic() + 5  # each thread names itself once it runs
+        while not {"lkv-registrar", "lkv-registrar-p"} <= kernel_names():
+            assert time.monotonic() < deadline, kernel_names()
+            time.sleep(0.01)
+    finally:
+        server.close()
+

@@ -1,0 +1,57 @@
+"""LayerKV's background threads, named for the operating system as well as for Python.
+
+Python's thread name lives in Python only. ``top -H``, ``ps -L``, py-spy's native view and
+``benchmarks/cpu_usage.py`` read the kernel's name, which a thread otherwise inherits from
+its process: every thread of a vLLM engine reads "VLLM::EngineCor". Under load on 2 x H200 a
+thread of P's engine other than its main one used 0.75 of a core, and nothing could tell
+whether it was LayerKV's sender or vLLM's own (benchmarks/results/2026-11-26-x2-h200). So
+each LayerKV thread also names itself in the kernel, as ``lkv-...`` cut to the 15 bytes the
+kernel keeps."""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+import threading
+from typing import Any, Callable
+
+_PR_SET_NAME = 15  # linux/prctl.h
+_KERNEL_NAME_BYTES = 15  # TASK_COMM_LEN less its NUL
+
+_libc: Any = None
+if sys.platform.startswith("linux"):
+    try:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:  # no C library to call: threads keep the process's name
+        _libc = None
+
+
+def kernel_name(name: str) -> str:
+    """The name the kernel shows for a thread called ``name`` in Python."""
+    if name.startswith("layerkv-"):
+        name = "lkv-" + name[len("layerkv-"):]
+    return name.encode()[:_KERNEL_NAME_BYTES].decode(errors="ignore")
+
+
+def name_current_thread(name: str) -> None:
+    """Give the calling thread ``kernel_name(name)`` in the kernel. Best effort: a platform
+    without prctl keeps the inherited name."""
+    if _libc is None:
+        return
+    try:
+        _libc.prctl(_PR_SET_NAME, kernel_name(name).encode(), 0, 0, 0)
+    except (AttributeError, OSError):
+        pass
+
+
+def start_thread(target: Callable[..., Any], name: str, *args: Any) -> threading.Thread:
+    """Start a daemon thread running ``target(*args)``, called ``name`` in Python and
+    ``kernel_name(name)`` in the kernel."""
+
+    def run() -> None:
+        name_current_thread(name)
+        target(*args)
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    return thread
