@@ -38,12 +38,17 @@ logger = logging.getLogger("vllm.layerkv.prefill_worker")
 
 def _new_event(device_type: str) -> Any:
     """A device event for one group (created in bind, recorded by the hook). None on CPU:
-    CPU attention runs synchronously, the KV is in memory when the hook runs."""
+    CPU attention runs synchronously, the KV is in memory when the hook runs.
+
+    Blocking: the sender thread waits on it for as long as the group computes, tens to
+    hundreds of ms. A default event's ``synchronize`` spins a CPU core all that time (CUDA's
+    automatic scheduling spins while the host has more cores than active contexts); a
+    blocking one sleeps until the device signals it, which costs microseconds on wake-up."""
     if device_type != "cuda":
         return None
     import torch
 
-    return torch.cuda.Event()
+    return torch.cuda.Event(blocking=True)
 
 
 def _record(event: Any) -> None:

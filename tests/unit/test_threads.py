@@ -1,15 +1,19 @@
 """threads.py: LayerKV's threads carry their names into the kernel (``lkv-...``), where
-``top -H`` and benchmarks/cpu_usage.py read them; Python keeps the full name."""
+``top -H`` and benchmarks/cpu_usage.py read them; Python keeps the full name. And the prefill
+worker's group events are blocking, so the sender sleeps instead of spinning while a layer
+group computes."""
 
 from __future__ import annotations
 
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import pytest
 
+from vllm_layerkv import prefill_worker
 from vllm_layerkv.registrar import RegistrationServer
 from vllm_layerkv.threads import kernel_name, start_thread
 
@@ -56,3 +60,14 @@ def test_a_real_component_shows_its_threads_by_name() -> None:
     finally:
         server.close()
 
+
+def test_group_events_are_blocking(monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[dict] = []
+    fake_cuda = types.SimpleNamespace(Event=lambda **kw: made.append(kw) or object())
+    import torch
+
+    monkeypatch.setattr(torch, "cuda", fake_cuda)
+    assert prefill_worker._new_event("cuda") is not None
+    assert made == [{"blocking": True}]
+    assert prefill_worker._new_event("cpu") is None
+    assert len(made) == 1
