@@ -15,7 +15,8 @@ import re
 from pathlib import Path
 
 C1 = re.compile(r"\] (\S+) in=(\d+): median TTFT ([\d.]+) ms")
-LOAD = re.compile(r"\] (\S+) load c=(\d+): mean TTFT ([\d.]+) ms, mean TPOT ([\d.]+) ms")
+LOAD = re.compile(r"\] (\S+) load c=(\d+): mean TTFT ([\d.]+) ms, mean TPOT ([\d.]+) ms"
+                  r"(?:, mean E2E ([\d.]+) ms, ([\d.]+) requests/s)?")
 COLD = re.compile(r"\] (\S+): first request TTFT ([\d.]+) ms, second ([\d.]+) ms")
 
 
@@ -31,6 +32,9 @@ def collect(dirs: list[Path]) -> dict:
                 elif m := LOAD.search(line):
                     load[m[1]] = {"concurrency": int(m[2]), "mean_ttft_ms": float(m[3]),
                                   "mean_tpot_ms": float(m[4])}
+                    if m[5] is not None:  # logs from 2026-11-26 on
+                        load[m[1]].update(mean_e2el_ms=float(m[5]),
+                                          request_throughput=float(m[6]))
                 elif m := COLD.search(line):
                     cold[m[1]] = {"first_ttft_ms": float(m[2]), "second_ttft_ms": float(m[3])}
     return {"c1_median_ttft_ms": c1, "load": load, "cold_start": cold}
@@ -46,11 +50,14 @@ def markdown(table: dict) -> str:
         cells = [f"{c1[c][n]:.1f}" if n in c1[c] else "-" for c in configs]
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
     if table["load"]:
-        lines += ["", "| configuration | concurrency | mean TTFT (ms) | mean TPOT (ms) |",
-                  "| --- | --- | --- | --- |"]
+        lines += ["", "| configuration | concurrency | mean TTFT (ms) | mean TPOT (ms) | "
+                      "mean E2E (ms) | requests/s |",
+                  "| --- | --- | --- | --- | --- | --- |"]
         for c, v in table["load"].items():
+            e2e = f"{v['mean_e2el_ms']:.1f}" if "mean_e2el_ms" in v else "-"
+            rate = f"{v['request_throughput']:.2f}" if "request_throughput" in v else "-"
             lines.append(f"| {c} | {v['concurrency']} | {v['mean_ttft_ms']:.1f} | "
-                         f"{v['mean_tpot_ms']:.2f} |")
+                         f"{v['mean_tpot_ms']:.2f} | {e2e} | {rate} |")
     if table.get("cold_start"):
         lines += ["", "| configuration | first request TTFT (ms) | second request TTFT (ms) |",
                   "| --- | --- | --- |"]

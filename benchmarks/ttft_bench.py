@@ -458,7 +458,8 @@ def scrape(server: VllmServer) -> str:
 
 def load_repeats_median(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The median over repeats of one load point's headline numbers."""
-    keys = ("mean_ttft_ms", "median_ttft_ms", "p90_ttft_ms", "mean_tpot_ms", "median_tpot_ms")
+    keys = ("mean_ttft_ms", "median_ttft_ms", "p90_ttft_ms", "mean_tpot_ms", "median_tpot_ms",
+            "mean_e2el_ms", "request_throughput")
     out: dict[str, Any] = {k: statistics.median(r[k] for r in runs) for k in keys
                            if all(k in r for r in runs)}
     served = [r["decode_server"]["mean_itl_ms"] for r in runs
@@ -469,11 +470,22 @@ def load_repeats_median(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def pace(point: dict[str, Any]) -> str:
+    """``, mean E2E X ms, Y requests/s`` for a load point's log line, where known. With a fixed
+    number in flight, one side's pace sets the requests per second, and then E2E latency is
+    the same whatever the connector: TTFT and TPOT only trade (docs/benchmarks.md,
+    2026-11-26). These two show whether that is so."""
+    if "mean_e2el_ms" not in point or "request_throughput" not in point:
+        return ""
+    return (f", mean E2E {point['mean_e2el_ms']:.1f} ms, "
+            f"{point['request_throughput']:.2f} requests/s")
+
+
 def summarize(result: dict[str, Any], join_token: int = 0) -> dict[str, Any]:
     """The headline numbers of one point, and its decode steps split into those that took a
     new request in and the rest (``itl_timeline.split``)."""
     keys = ("median_ttft_ms", "mean_ttft_ms", "p90_ttft_ms", "median_tpot_ms", "mean_tpot_ms",
-            "median_e2el_ms", "completed", "failed", "request_throughput")
+            "median_e2el_ms", "mean_e2el_ms", "completed", "failed", "request_throughput")
     out: dict[str, Any] = {k: result[k] for k in keys if k in result}
     if "itls" in result:
         out["steps"] = itl_timeline.split(result, join_token=join_token)
@@ -566,7 +578,7 @@ def measure(config: Config, url: str, decoder: VllmServer, args: argparse.Namesp
             save()
             run = f" run {rep}/{repeats}" if repeats > 1 else ""
             log(f"{name} load c={c}{run}: mean TTFT {r['mean_ttft_ms']:.1f} ms, "
-                f"mean TPOT {r['mean_tpot_ms']:.2f} ms")
+                f"mean TPOT {r['mean_tpot_ms']:.2f} ms{pace(r)}")
             if (steps := point.get("steps")) and steps["gaps"]:
                 log(f"{name} load c={c}{run} decode steps (client side): median "
                     f"{steps['median_steady_itl_ms']} ms steady, {steps['median_join_itl_ms']} "
@@ -582,7 +594,7 @@ def measure(config: Config, url: str, decoder: VllmServer, args: argparse.Namesp
             save()
             # the line plot_results.py reads: the medians over the repeats
             log(f"{name} load c={c}: mean TTFT {m['mean_ttft_ms']:.1f} ms, "
-                f"mean TPOT {m['mean_tpot_ms']:.2f} ms (median of {repeats} runs)")
+                f"mean TPOT {m['mean_tpot_ms']:.2f} ms{pace(m)} (median of {repeats} runs)")
     return same
 
 

@@ -280,6 +280,7 @@ def test_load_repeats_report_each_run_and_their_medians(tmp_path, monkeypatch, c
             (out / argv[argv.index("--result-filename") + 1]).write_text(json.dumps({
                 "mean_ttft_ms": 5 * tpot, "median_ttft_ms": 5 * tpot, "p90_ttft_ms": 6 * tpot,
                 "mean_tpot_ms": tpot, "median_tpot_ms": tpot, "mean_itl_ms": tpot,
+                "mean_e2el_ms": 7 * tpot, "request_throughput": 100 / tpot,
                 "completed": 2, "failed": 0}))
 
     class Decoder:  # D's /metrics: 10 more tokens per scrape pair, at 10 ms each
@@ -308,8 +309,8 @@ def test_load_repeats_report_each_run_and_their_medians(tmp_path, monkeypatch, c
     assert point["mean_tpot_ms"] == 20.0  # the first run, as without repeats
     assert point["median_of_repeats"] == {
         "mean_ttft_ms": 110.0, "median_ttft_ms": 110.0, "p90_ttft_ms": 132.0,
-        "mean_tpot_ms": 22.0, "median_tpot_ms": 22.0, "decode_server_mean_itl_ms": 10.0,
-        "runs": 3}
+        "mean_tpot_ms": 22.0, "median_tpot_ms": 22.0, "mean_e2el_ms": 154.0,
+        "request_throughput": 100 / 22, "decode_server_mean_itl_ms": 10.0, "runs": 3}
     assert len(set(seeds)) == 3
     assert sorted(p.name for p in tmp_path.glob("layerkv_c2_*.json")) == [
         "layerkv_c2_in16_out3.json", "layerkv_c2_in16_out3_r2.json",
@@ -317,4 +318,7 @@ def test_load_repeats_report_each_run_and_their_medians(tmp_path, monkeypatch, c
     plot_results = load("plot_results")
     lines = [line for line in capsys.readouterr().out.splitlines() + [""]
              if plot_results.LOAD.search(line)]
-    assert len(lines) == 1 and "mean TPOT 22.00 ms (median of 3 runs)" in lines[0], lines
+    assert len(lines) == 1 and ("mean TPOT 22.00 ms, mean E2E 154.0 ms, 4.55 requests/s "
+                                "(median of 3 runs)") in lines[0], lines
+    row = plot_results.LOAD.search(lines[0])
+    assert row is not None and (row[5], row[6]) == ("154.0", "4.55")
