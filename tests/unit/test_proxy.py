@@ -202,6 +202,15 @@ def completion(**extra: Any) -> dict[str, Any]:
     return {"model": MODEL, "prompt": "Hello there", "max_tokens": 16, **extra}
 
 
+async def one_token_then_stall(request: web.Request, body: dict) -> web.StreamResponse:
+    """A decode instance that streams one event, then nothing until long after any wait."""
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    await resp.write(b'data: {"tok": 0}\n\n')
+    await asyncio.sleep(WAIT_S * 3)
+    return resp
+
+
 # ---------------------------------------------------------------------------------------------
 
 
@@ -396,15 +405,8 @@ def test_prefill_error_after_stream_started_ends_stream_with_error_event() -> No
                 return web.json_response({"error": {"message": "P crashed", "type": "X",
                                                     "code": 500}}, status=500)
 
-            async def slow_d(request: web.Request, body: dict) -> web.StreamResponse:
-                resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-                await resp.prepare(request)
-                await resp.write(b'data: {"tok": 0}\n\n')
-                await asyncio.sleep(WAIT_S * 3)
-                return resp
-
             h.prefill[0].on_generate = failing_p
-            h.decode[0].on_generate = slow_d
+            h.decode[0].on_generate = one_token_then_stall
             received = b""
             async with h.client.post(h.url + "/v1/completions",
                                      json=completion(stream=True)) as r:
@@ -450,15 +452,8 @@ def test_client_disconnect_cancels_both() -> None:
                 await asyncio.sleep(WAIT_S * 3)
                 return web.json_response({})
 
-            async def slow_d(request: web.Request, body: dict) -> web.StreamResponse:
-                resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-                await resp.prepare(request)
-                await resp.write(b'data: {"tok": 0}\n\n')
-                await asyncio.sleep(WAIT_S * 3)
-                return resp
-
             h.prefill[0].on_generate = holding_p
-            h.decode[0].on_generate = slow_d
+            h.decode[0].on_generate = one_token_then_stall
             r = await h.client.post(h.url + "/v1/completions", json=completion(stream=True))
             assert r.status == 200
             assert (await r.content.readany()).startswith(b"data: ")

@@ -9,7 +9,7 @@ import time
 
 import pytest
 from aiohttp import web
-from test_proxy import WAIT_S, Harness, completion, free_port, run
+from test_proxy import WAIT_S, Harness, completion, free_port, one_token_then_stall, run
 
 from vllm_layerkv.proxy import ROUTING_POLICIES, Backend, Router
 from vllm_layerkv.proxy import backends as backends_module
@@ -171,14 +171,7 @@ def test_holds_end_when_the_client_goes_away_and_when_a_backend_fails() -> None:
             gate = asyncio.Event()
             h.prefill[0].on_generate = holding(gate)  # never answers before the client leaves
 
-            async def slow_d(request: web.Request, body: dict) -> web.StreamResponse:
-                resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-                await resp.prepare(request)
-                await resp.write(b'data: {"tok": 0}\n\n')
-                await asyncio.sleep(WAIT_S * 3)
-                return resp
-
-            h.decode[0].on_generate = slow_d
+            h.decode[0].on_generate = one_token_then_stall
             r = await h.client.post(h.url + "/v1/completions", json=completion(stream=True))
             assert r.status == 200
             await asyncio.wait_for(h.prefill[0].received.wait(), WAIT_S)
