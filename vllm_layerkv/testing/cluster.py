@@ -65,8 +65,9 @@ class ClusterSpec:
     ("align" mode) fails in ``mamba_mixer2`` with an IndexError, with or without a connector."""
     reference_cpus: str = "0-1"
     reference_batched_tokens: int | None = None
-    """The reference's max_num_batched_tokens (None: vLLM's default). bfloat16 results depend
-    on the prefill chunking, so a bf16 comparison gives the reference P's chunk size."""
+    """The reference's max_num_batched_tokens (None: vLLM's default). bfloat16 results, and
+    those of an fp8 KV cache, depend on the prefill chunking, so such a comparison gives the
+    reference P's chunk size."""
     max_model_len: int = 4096
 
 
