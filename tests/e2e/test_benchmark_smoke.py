@@ -69,6 +69,8 @@ def test_ttft_bench_cpu_smoke(tmp_path: Path) -> None:
                     assert used["cpu_s"] > 0 and used["top"][0]["cores"] > 0, (role, used)
         medians = point["median_of_repeats"]
         assert medians["runs"] == 2 and medians["decode_server_mean_itl_ms"] > 0, medians
+        # what tells whether one side set the pace (equal E2E and rate across configurations)
+        assert medians["mean_e2el_ms"] > 0 and medians["request_throughput"] > 0, medians
     assert (out / "layerkv_c2_in128_out6_r2.json").exists()
     # the result files vllm bench serve saved are there for the table / plots
     assert (out / "layerkv_c1_in512.json").exists()
