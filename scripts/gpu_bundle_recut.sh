@@ -30,9 +30,11 @@ done
 [ -d "$GPU/bin" ] || { echo "$GPU/bin does not exist: run ../shared/gpu/build_bundle.sh first" >&2; exit 1; }
 
 # what travels with every call: tracked files and untracked ones git does not ignore
-tree=$(git -C "$ROOT" ls-files -z --cached --others --exclude-standard | (cd "$ROOT" && xargs -0 du -cb 2>/dev/null) | tail -1 | cut -f1)
+# (summed over every file: xargs may run stat several times on a long list)
+tree=$(git -C "$ROOT" ls-files -z --cached --others --exclude-standard \
+  | (cd "$ROOT" && xargs -0 stat -c %s 2>/dev/null) | awk '{s += $1} END {print s + 0}')
 room=$((LIMIT - tree - MARGIN))
-[ "$room" -gt $((1024 * 1024)) ] || { echo "the tracked tree ($tree bytes) leaves too little room beside it" >&2; exit 1; }
+[ "$room" -gt $((1024 * 1024)) ] || { echo "the tree that travels ($tree bytes) leaves too little room beside it" >&2; exit 1; }
 
 rm -rf "$GPU"/q[0-9]*
 tmp=$(mktemp -d)
