@@ -45,9 +45,8 @@ def test_every_benchmark_option_is_documented(script: str) -> None:
     assert not missing, f"{script} options missing from {SCRIPTS_DOC.name}: {missing}"
 
 
-# the benchmark wrappers, and the GPU staging script that prepares their device calls
-SHELL_SCRIPTS = sorted(str(p.relative_to(ROOT)) for p in
-                       [*BENCHMARKS.glob("*.sh"), ROOT / "scripts" / "gpu_bundle_recut.sh"])
+# the benchmark wrappers
+SHELL_SCRIPTS = sorted(str(p.relative_to(ROOT)) for p in BENCHMARKS.glob("*.sh"))
 
 
 @pytest.mark.parametrize("script", SHELL_SCRIPTS)
