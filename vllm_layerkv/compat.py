@@ -17,7 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from vllm_layerkv.kvgroups import KVGroupInfo
+from vllm_layerkv.kv.groups import KVGroupInfo
 
 VLLM_VERSION: str = getattr(vllm, "__version__", "unknown")
 

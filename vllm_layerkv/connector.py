@@ -24,9 +24,9 @@ from vllm_layerkv.compat import (
 )
 from vllm_layerkv.config import LayerKVConfig
 from vllm_layerkv.metadata import LayerKVMetadata
-from vllm_layerkv.scheduler import LayerKVScheduler
+from vllm_layerkv.scheduler.scheduler import LayerKVScheduler
 from vllm_layerkv.stats import LayerKVPromMetrics, LayerKVStats
-from vllm_layerkv.worker import LayerKVWorker
+from vllm_layerkv.worker.worker import LayerKVWorker
 
 logger = logging.getLogger("vllm.layerkv.connector")
 

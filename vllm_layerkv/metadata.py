@@ -22,7 +22,7 @@ class Peer:
 class SendTask:
     """P: push KV of ``src_blocks`` (P's ids) into ``dst_blocks`` (D's ids), per KV cache
     group: layers of group g send ``src_blocks[g]`` into ``dst_blocks[g]`` (an empty list: that
-    group sends nothing in this task; see kvgroups.py for which blocks each kind sends)."""
+    group sends nothing in this task; see kv/groups.py for which blocks each kind sends)."""
 
     req_id: str
     transfer_id: str

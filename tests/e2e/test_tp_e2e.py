@@ -30,7 +30,7 @@ That shared core is what this test found: vLLM's workers busy-poll between engin
 P waiting for a late registration (or either side waiting for a transfer) let vLLM step
 unthrottled, which starved the other instance's worker on the same core until P's
 registration_timeout_s (a 60 s stall, then HTTP 500). The idle-step back-off in
-``prefill_scheduler.py`` / ``worker.py`` is what keeps these runs at a few seconds of transfers.
+``scheduler/prefill.py`` / ``worker.py`` is what keeps these runs at a few seconds of transfers.
 """
 
 from __future__ import annotations

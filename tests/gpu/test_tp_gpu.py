@@ -160,7 +160,7 @@ def test_staging_cuts_transfer_operations_at_least_tenfold() -> None:
 def test_fused_gather_and_scatter_match_torch(head_bytes: int) -> None:
     """staging.gather / scatter through the Triton kernel against plain indexing, including
     slice sizes and offsets that force narrower words; every byte of the caches checked."""
-    from vllm_layerkv import fused_copy, staging
+    from vllm_layerkv.kv import fused_copy, staging
 
     assert fused_copy.available(torch.device("cuda")), "Triton is not importable here"
     heads, layers, blocks = 8, 6, 300
@@ -188,7 +188,7 @@ def test_warm_up_compiles_every_variant_a_request_needs() -> None:
     """``fused_copy.warm_up`` (start-up with ``host_bounce``) leaves nothing for a request to
     compile: whole-block copies of any block count after it add no kernel to Triton's
     cache."""
-    from vllm_layerkv import fused_copy, staging
+    from vllm_layerkv.kv import fused_copy, staging
 
     caches_of = getattr(fused_copy._copy_slices, "device_caches", None)
     if caches_of is None:

@@ -19,16 +19,16 @@ import time
 
 import torch
 
-from vllm_layerkv import tp
-from vllm_layerkv.blockio import block_io_for
+from vllm_layerkv.kv import tp
+from vllm_layerkv.kv.blockio import block_io_for
 from vllm_layerkv.config import LayerKVConfig
-from vllm_layerkv.layout import KVLayout
+from vllm_layerkv.kv.layout import KVLayout
 from vllm_layerkv.metadata import Peer, RecvTask, SendTask
-from vllm_layerkv.protocol import CompatInfo, Hello
-from vllm_layerkv.receiver import RecvTable
-from vllm_layerkv.sender import FinishTransfer, GroupSend, Sender
+from vllm_layerkv.wire.protocol import CompatInfo, Hello
+from vllm_layerkv.worker.receiver import RecvTable
+from vllm_layerkv.worker.sender import FinishTransfer, GroupSend, Sender
 from vllm_layerkv.stats import WorkerStats
-from vllm_layerkv.trace import Tracer
+from vllm_layerkv.common.trace import Tracer
 from vllm_layerkv.transport import create_transport
 
 SENTINEL = 0x5A

@@ -1,4 +1,4 @@
-"""decode_scheduler.py: the first-token step of a received request (``first_steps``), its
+"""scheduler/decode.py: the first-token step of a received request (``first_steps``), its
 tracing (``trace_path``), and continuing from P's first token (``first_token_from_prefill``)."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from kv_sides import compat
 from vllm_objects import create_request
 
 from vllm_layerkv.config import LayerKVConfig
-from vllm_layerkv.decode_scheduler import DecodeScheduler
+from vllm_layerkv.scheduler.decode import DecodeScheduler
 from vllm_layerkv.metadata import LayerKVMetadata
-from vllm_layerkv.protocol import Cancel, FirstToken, Register, RegisterAck
-from vllm_layerkv.registrar import RegistrationServer
-from vllm_layerkv.request_params import DecodeParams
+from vllm_layerkv.wire.protocol import Cancel, FirstToken, Register, RegisterAck
+from vllm_layerkv.scheduler.registrar import RegistrationServer
+from vllm_layerkv.scheduler.request_params import DecodeParams
 
 
 def scheduled(*req_ids: str) -> SimpleNamespace:

@@ -1,8 +1,8 @@
-"""decode_worker.py: where early release applies."""
+"""worker/decode.py: where early release applies."""
 
 from __future__ import annotations
 
-from vllm_layerkv.decode_worker import early_release_applies
+from vllm_layerkv.worker.decode import early_release_applies
 
 
 def test_early_release_applies_with_one_kv_cache_group_on_gpu_or_at_tp1() -> None:

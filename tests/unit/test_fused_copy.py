@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_layerkv import fused_copy
+from vllm_layerkv.kv import fused_copy
 
 
 def test_word_is_the_widest_that_divides_every_size_and_address() -> None:

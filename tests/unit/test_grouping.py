@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from vllm_layerkv.config import LayerKVConfig
-from vllm_layerkv.grouping import plan_group_size, split_layers
+from vllm_layerkv.worker.grouping import plan_group_size, split_layers
 
 ADAPTIVE = LayerKVConfig(min_prompt_tokens=256, max_pipeline_stages=8, min_pipeline_stages=2)
 

@@ -1,4 +1,4 @@
-"""Which blocks each kind of KV cache group sends, and when (vllm_layerkv.kvgroups)."""
+"""Which blocks each kind of KV cache group sends, and when (vllm_layerkv.kv.groups)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from vllm_layerkv.compat import kv_groups
-from vllm_layerkv.kvgroups import (
+from vllm_layerkv.kv.groups import (
     NULL_BLOCK,
     BlockTableError,
     KVGroupInfo,

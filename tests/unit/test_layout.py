@@ -17,8 +17,8 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
-from vllm_layerkv import tp
-from vllm_layerkv.layout import (
+from vllm_layerkv.kv import tp
+from vllm_layerkv.kv.layout import (
     KVLayout,
     LayoutError,
     attention_spec,
@@ -26,7 +26,7 @@ from vllm_layerkv.layout import (
     kv_cache_format,
     layer_index,
 )
-from vllm_layerkv.protocol import compatibility_error
+from vllm_layerkv.wire.protocol import compatibility_error
 
 NUM_BLOCKS, HEADS, BLOCK_SIZE, HEAD = 10, 2, 16, 8
 

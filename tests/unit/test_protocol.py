@@ -12,7 +12,7 @@ import sys
 import msgspec
 import pytest
 
-from vllm_layerkv.protocol import (
+from vllm_layerkv.wire.protocol import (
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     BlockData,
@@ -38,7 +38,7 @@ from vllm_layerkv.protocol import (
     decode,
     encode,
 )
-from vllm_layerkv.transport import framing
+from vllm_layerkv.wire import framing
 
 COMPAT = CompatInfo(vllm_version="0.32.0", model="tiny-llama", dtype="float32", kv_layout="HND",
                     block_size=16, num_kv_heads=2, head_size=64, num_layers=8, block_bytes=16384,
@@ -132,7 +132,7 @@ def test_compat_hash_is_stable_and_equal_for_equal_info() -> None:
     same = CompatInfo(**{f: getattr(COMPAT, f) for f in COMPAT.__struct_fields__})
     assert same is not COMPAT and same.hash() == h
     # and across interpreter processes (no id()/hash-seed dependence)
-    code = ("from vllm_layerkv.protocol import CompatInfo;"
+    code = ("from vllm_layerkv.wire.protocol import CompatInfo;"
             "print(CompatInfo(vllm_version='0.32.0', model='tiny-llama', dtype='float32', "
             "kv_layout='HND', block_size=16, num_kv_heads=2, head_size=64, num_layers=8, "
             "block_bytes=16384, kv_groups=['full:8x16']).hash())")

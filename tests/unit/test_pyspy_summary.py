@@ -17,7 +17,7 @@ RAW = "\n".join([
     "<module> (<string>:1);run_busy_loop (vllm/v1/engine/core.py:1364);"
     "LayerKVConnector.save_kv_layer (vllm_layerkv/connector.py:98) 4",
     # LayerKV's sender thread, and a vLLM thread
-    BOOT + "Sender._run (vllm_layerkv/sender.py:172);copy_blocks "
+    BOOT + "Sender._run (vllm_layerkv/worker/sender.py:172);copy_blocks "
     "(vllm_layerkv/transport/cuda_ipc.py:67) 5",
     BOOT + "EngineCoreProc.process_input_sockets (vllm/v1/engine/core.py:1656) 1",
     "",

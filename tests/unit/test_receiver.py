@@ -9,7 +9,7 @@ import time
 from kv_sides import compat
 
 from vllm_layerkv.metadata import RecvTask
-from vllm_layerkv.receiver import RecvTable
+from vllm_layerkv.worker.receiver import RecvTable
 from vllm_layerkv.stats import WorkerStats
 
 

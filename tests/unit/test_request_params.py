@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_layerkv.request_params import (
+from vllm_layerkv.scheduler.request_params import (
     MAX_TRANSFER_ID_LEN,
     DecodeParams,
     DiscoverParams,

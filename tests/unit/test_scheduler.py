@@ -28,8 +28,8 @@ from vllm_objects import (
 )
 
 from vllm_layerkv.metadata import Peer, RecvTask, SendTask
-from vllm_layerkv.protocol import Cancel, Register, RegisterAck
-from vllm_layerkv.registrar import RegistrationServer
+from vllm_layerkv.wire.protocol import Cancel, Register, RegisterAck
+from vllm_layerkv.scheduler.registrar import RegistrationServer
 
 P_EXTRA = {"min_prompt_tokens": 32, "registration_wait_s": 5.0, "group_size": 3}
 CHUNK = 56  # max_num_batched_tokens on P: chunks end inside a block (56 = 3.5 blocks)
@@ -767,7 +767,7 @@ def test_idle_backoff_slows_empty_steps_while_p_waits_and_a_registration_ends_it
         engines, setting) -> None:
     """A prefill deferred for its registration: P's empty steps wait longer and longer (they
     would starve whatever shares the cores), and the registration wakes the wait at once."""
-    from vllm_layerkv.prefill_scheduler import IDLE_WAIT_MIN_S
+    from vllm_layerkv.scheduler.prefill import IDLE_WAIT_MIN_S
 
     p = engines("kv_producer", {"registration_wait_s": 30, "idle_backoff": setting})
     d = engines("kv_consumer")

@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 
-from vllm_layerkv import tp
-from vllm_layerkv.staging import RecvRing, StagingError, StagingPool, gather, scatter
+from vllm_layerkv.kv import tp
+from vllm_layerkv.kv.staging import RecvRing, StagingError, StagingPool, gather, scatter
 
 LAYERS, BLOCKS, BLOCK_TOKENS, HEAD_DIM, ELEM = 3, 12, 4, 8, 2  # bf16-sized elements
 POISON = 0xEE
@@ -131,8 +131,8 @@ def test_a_full_ring_refuses_the_write_and_fails_the_transfer_on_decode() -> Non
     import socket
     from collections import deque
 
-    from vllm_layerkv.protocol import DirectWrite, WriteGrant
-    from vllm_layerkv.transport import framing
+    from vllm_layerkv.wire.protocol import DirectWrite, WriteGrant
+    from vllm_layerkv.wire import framing
     from vllm_layerkv.transport.tcp import TcpTransport
 
     class Sink:

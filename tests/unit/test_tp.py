@@ -12,8 +12,8 @@ import pytest
 import torch
 
 
-from vllm_layerkv import tp
-from vllm_layerkv.protocol import CompatInfo
+from vllm_layerkv.kv import tp
+from vllm_layerkv.wire.protocol import CompatInfo
 
 HEAD_ELEMS = 6  # stand-in for block_size x content of one head inside a block
 

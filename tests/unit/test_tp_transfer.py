@@ -23,16 +23,16 @@ import pytest
 import torch
 
 from kv_sides import SENTINEL, TIMEOUT, compat
-from vllm_layerkv import tp
-from vllm_layerkv.blockio import HostBlockIO
+from vllm_layerkv.kv import tp
+from vllm_layerkv.kv.blockio import HostBlockIO
 from vllm_layerkv.config import LayerKVConfig
-from vllm_layerkv.layout import KVLayout
+from vllm_layerkv.kv.layout import KVLayout
 from vllm_layerkv.metadata import Peer, SendTask
-from vllm_layerkv.protocol import Hello
-from vllm_layerkv.receiver import RecvTable
-from vllm_layerkv.sender import FinishTransfer, GroupSend, Sender
+from vllm_layerkv.wire.protocol import Hello
+from vllm_layerkv.worker.receiver import RecvTable
+from vllm_layerkv.worker.sender import FinishTransfer, GroupSend, Sender
 from vllm_layerkv.stats import WorkerStats
-from vllm_layerkv.trace import Tracer
+from vllm_layerkv.common.trace import Tracer
 from vllm_layerkv.transport import create_transport
 
 LAYERS, BLOCKS, BLOCK_SIZE, HEAD_DIM = 4, 32, 16, 8  # float32: 512 B per head per block
@@ -350,7 +350,7 @@ def test_staging_sends_one_transfer_per_group_and_rank(cluster) -> None:
 
 
 def test_groups_larger_than_a_staging_buffer_are_split(cluster) -> None:
-    from vllm_layerkv.staging import StagingError, pieces
+    from vllm_layerkv.kv.staging import StagingError, pieces
 
     assert pieces(2, 32, 1024, 1 << 20) == [(slice(0, 2), slice(0, 32))]
     assert pieces(4, 32, 1024, 64 << 10) == [(slice(0, 2), slice(0, 32)),

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_layerkv import trace
-from vllm_layerkv.trace import Tracer
+from vllm_layerkv.common import trace
+from vllm_layerkv.common.trace import Tracer
 
 
 def read_events(path: Path) -> list[str]:

@@ -42,10 +42,10 @@ from kv_sides import (
     transport_config,
 )
 
-from vllm_layerkv.blockio import block_runs
+from vllm_layerkv.kv.blockio import block_runs
 from vllm_layerkv.config import LayerKVConfig
 from vllm_layerkv.metadata import Peer, RecvTask, SendTask
-from vllm_layerkv.sender import AbortTransfer, FinishTransfer, GroupSend
+from vllm_layerkv.worker.sender import AbortTransfer, FinishTransfer, GroupSend
 from vllm_layerkv.transport import faults
 from vllm_layerkv.transport.direct import AddressedPeer, DirectWriteFailed
 from vllm_layerkv.transport.nixl import MAX_COALESCED_RUNS
@@ -462,8 +462,8 @@ def test_many_concurrent_requests_from_three_engines(d_side, p_side) -> None:
 def test_layers_sharing_memory_are_registered_once(transport: str) -> None:
     """Hybrid models and KV-sharing layers alias one buffer from several layers; the engines
     must register it once and still address every layer."""
-    from vllm_layerkv.blockio import HostBlockIO
-    from vllm_layerkv.layout import KVLayout
+    from vllm_layerkv.kv.blockio import HostBlockIO
+    from vllm_layerkv.kv.layout import KVLayout
     from vllm_layerkv.transport import create_transport
     from vllm_layerkv.transport.direct import memory_regions
 
@@ -495,7 +495,7 @@ def test_whole_blocks_go_through_the_ring_only_with_host_bounce(d_side, p_side, 
                                                                  monkeypatch) -> None:
     """``host_bounce`` on: every layer group is written into a slot of D's host ring, which D
     scatters; off: straight into the KV (the ring is for head slices only)."""
-    from vllm_layerkv.staging import RecvRing
+    from vllm_layerkv.kv.staging import RecvRing
 
     granted: list[int] = []
     try_acquire = RecvRing.try_acquire

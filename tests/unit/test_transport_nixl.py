@@ -8,9 +8,9 @@ import pytest
 import torch
 from kv_sides import NUM_BLOCKS, make_caches
 
-from vllm_layerkv.blockio import HostBlockIO
-from vllm_layerkv.layout import KVLayout
-from vllm_layerkv.protocol import NixlExport
+from vllm_layerkv.kv.blockio import HostBlockIO
+from vllm_layerkv.kv.layout import KVLayout
+from vllm_layerkv.wire.protocol import NixlExport
 from vllm_layerkv.transport import nixl
 from vllm_layerkv.transport.direct import host_id
 

@@ -9,9 +9,9 @@ import sys
 import pytest
 from kv_sides import NUM_BLOCKS, make_caches
 
-from vllm_layerkv.blockio import HostBlockIO
+from vllm_layerkv.kv.blockio import HostBlockIO
 from vllm_layerkv.config import LayerKVConfig
-from vllm_layerkv.layout import KVLayout
+from vllm_layerkv.kv.layout import KVLayout
 from vllm_layerkv.transport import TransportError, create_transport
 
 

@@ -23,11 +23,11 @@ from kv_sides import (
     task,
 )
 
-from vllm_layerkv.blockio import HostBlockIO
-from vllm_layerkv.layout import KVLayout
+from vllm_layerkv.kv.blockio import HostBlockIO
+from vllm_layerkv.kv.layout import KVLayout
 from vllm_layerkv.metadata import RecvTask
-from vllm_layerkv.protocol import BlockData, Hello, HelloAck
-from vllm_layerkv.transport import framing
+from vllm_layerkv.wire.protocol import BlockData, Hello, HelloAck
+from vllm_layerkv.wire import framing
 from vllm_layerkv.transport.base import TransportError
 from vllm_layerkv.transport.tcp import TcpTransport
 

@@ -40,7 +40,7 @@ from vllm_layerkv.proxy.errors import (
 )
 from vllm_layerkv.proxy.first_token import PrefillToken, UsagePlusOne, ineligible
 from vllm_layerkv.proxy.relay import ClientGone, StreamRelay, open_stream
-from vllm_layerkv.trace import Tracer
+from vllm_layerkv.common.trace import Tracer
 
 logger = logging.getLogger("vllm_layerkv.proxy")
 

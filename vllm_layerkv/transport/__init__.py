@@ -12,7 +12,7 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
-from vllm_layerkv.blockio import BlockIO
+from vllm_layerkv.kv.blockio import BlockIO
 from vllm_layerkv.config import TRANSPORTS
 from vllm_layerkv.transport.base import ReceiveSink, SendChannel, Transport, TransportError
 from vllm_layerkv.transport.direct import DirectPlane, DirectUnavailable

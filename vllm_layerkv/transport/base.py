@@ -24,8 +24,8 @@ from typing import Any, Protocol
 
 import torch
 
-from vllm_layerkv.blockio import BlockIO
-from vllm_layerkv.protocol import Hello, TransferAck
+from vllm_layerkv.kv.blockio import BlockIO
+from vllm_layerkv.wire.protocol import Hello, TransferAck
 
 
 class TransportError(RuntimeError):

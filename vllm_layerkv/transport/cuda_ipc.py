@@ -27,8 +27,8 @@ from collections.abc import Sequence
 import msgspec
 import torch
 
-from vllm_layerkv.protocol import DirectExport, Hello, IpcTensor, KVExport
-from vllm_layerkv.staging import RecvRing, gather
+from vllm_layerkv.wire.protocol import DirectExport, Hello, IpcTensor, KVExport
+from vllm_layerkv.kv.staging import RecvRing, gather
 from vllm_layerkv.transport.direct import (
     DirectPlane,
     DirectUnavailable,

@@ -45,8 +45,8 @@ from typing import Any
 import msgspec
 import torch
 
-from vllm_layerkv.protocol import DirectExport, Hello
-from vllm_layerkv.staging import RecvRing, StagingError, gather, slice_bytes
+from vllm_layerkv.wire.protocol import DirectExport, Hello
+from vllm_layerkv.kv.staging import RecvRing, StagingError, gather, slice_bytes
 
 logger = logging.getLogger("vllm.layerkv.transport.direct")
 

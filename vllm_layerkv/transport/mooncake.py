@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from vllm_layerkv.protocol import DirectExport, MooncakeExport
+from vllm_layerkv.wire.protocol import DirectExport, MooncakeExport
 from vllm_layerkv.transport.direct import (
     AddressedPeer,
     AddressedPlane,

@@ -42,8 +42,8 @@ import msgspec
 import numpy as np
 import torch
 
-from vllm_layerkv.protocol import DirectExport, NixlExport
-from vllm_layerkv.staging import RecvRing
+from vllm_layerkv.wire.protocol import DirectExport, NixlExport
+from vllm_layerkv.kv.staging import RecvRing
 from vllm_layerkv.transport.direct import (
     AddressedPeer,
     AddressedPlane,

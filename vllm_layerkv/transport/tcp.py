@@ -35,9 +35,9 @@ from collections.abc import Callable, Sequence
 import msgspec
 import torch
 
-from vllm_layerkv import fused_copy
-from vllm_layerkv.blockio import BlockIO
-from vllm_layerkv.protocol import (
+from vllm_layerkv.kv import fused_copy
+from vllm_layerkv.kv.blockio import BlockIO
+from vllm_layerkv.wire.protocol import (
     BlockData,
     DirectWrite,
     DirectWritten,
@@ -50,9 +50,10 @@ from vllm_layerkv.protocol import (
     TransferNearlyDone,
     WriteGrant,
 )
-from vllm_layerkv.staging import RecvRing, StagingError, scatter
-from vllm_layerkv.threads import start_thread
-from vllm_layerkv.transport import faults, framing
+from vllm_layerkv.kv.staging import RecvRing, StagingError, scatter
+from vllm_layerkv.common.threads import start_thread
+from vllm_layerkv.transport import faults
+from vllm_layerkv.wire import framing
 from vllm_layerkv.transport.base import (
     ReceiveSink,
     SendChannel,

@@ -20,8 +20,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from vllm_layerkv.blockio import BlockIO
-from vllm_layerkv.protocol import (
+from vllm_layerkv.kv.blockio import BlockIO
+from vllm_layerkv.wire.protocol import (
     BlockData,
     DirectWrite,
     DirectWritten,
@@ -31,8 +31,9 @@ from vllm_layerkv.protocol import (
     TransferNearlyDone,
     WriteGrant,
 )
-from vllm_layerkv.threads import start_thread
-from vllm_layerkv.transport import faults, framing
+from vllm_layerkv.common.threads import start_thread
+from vllm_layerkv.transport import faults
+from vllm_layerkv.wire import framing
 from vllm_layerkv.transport.base import PendingWrite, SendChannel, TransportError
 from vllm_layerkv.transport.direct import DirectWriteFailed, PeerWriter
 

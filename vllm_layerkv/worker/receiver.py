@@ -27,11 +27,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from vllm_layerkv import tp
+from vllm_layerkv.kv import tp
 from vllm_layerkv.metadata import RecvTask
-from vllm_layerkv.protocol import CompatInfo, Hello, TransferAck
+from vllm_layerkv.wire.protocol import CompatInfo, Hello, TransferAck
 from vllm_layerkv.stats import WorkerStats
-from vllm_layerkv.trace import Tracer
+from vllm_layerkv.common.trace import Tracer
 
 logger = logging.getLogger("vllm.layerkv.receiver")
 TOMBSTONE_S = 600.0

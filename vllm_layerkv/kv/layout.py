@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from vllm_layerkv.kvgroups import KVGroupInfo
-    from vllm_layerkv.protocol import CompatInfo
+    from vllm_layerkv.kv.groups import KVGroupInfo
+    from vllm_layerkv.wire.protocol import CompatInfo
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|h|blocks|block|decoder_layers)\.(\d+)(?:\.|$)")
 
@@ -176,7 +176,7 @@ def attention_spec(kv_cache_config: "object"):
     """The KV spec standing for the model's geometry in ``CompatInfo`` (the first attention
     group's, else the first group's); refuses group kinds this version cannot move."""
     from vllm_layerkv.compat import _group_spec, kv_groups
-    from vllm_layerkv.kvgroups import ATTENTION_KINDS, unsupported_kinds
+    from vllm_layerkv.kv.groups import ATTENTION_KINDS, unsupported_kinds
 
     groups = kv_groups(kv_cache_config)
     unsupported = unsupported_kinds(groups)
@@ -253,7 +253,7 @@ def compat_info(vllm_config: "object", kv_cache_config: "object") -> "CompatInfo
     import os
 
     from vllm_layerkv.compat import VLLM_VERSION
-    from vllm_layerkv.protocol import CompatInfo
+    from vllm_layerkv.wire.protocol import CompatInfo
 
     from vllm_layerkv.compat import kv_groups
 

@@ -12,12 +12,12 @@ from typing import Any
 
 from vllm_layerkv.compat import device_type, kv_groups, truncate_prompt
 from vllm_layerkv.config import LayerKVConfig
-from vllm_layerkv.kvgroups import prefill_backoff
-from vllm_layerkv.decode_scheduler import DecodeScheduler
-from vllm_layerkv.layout import compat_info
+from vllm_layerkv.kv.groups import prefill_backoff
+from vllm_layerkv.scheduler.decode import DecodeScheduler
+from vllm_layerkv.kv.layout import compat_info
 from vllm_layerkv.metadata import LayerKVHandshake, LayerKVMetadata
-from vllm_layerkv.prefill_scheduler import PrefillScheduler
-from vllm_layerkv.request_params import (
+from vllm_layerkv.scheduler.prefill import PrefillScheduler
+from vllm_layerkv.scheduler.request_params import (
     DecodeParams,
     DiscoverParams,
     ParamsError,

@@ -31,13 +31,13 @@ from typing import Any
 
 import torch
 
-from vllm_layerkv import fused_copy, staging, tp
-from vllm_layerkv.blockio import BlockIO
+from vllm_layerkv.kv import fused_copy, staging, tp
+from vllm_layerkv.kv.blockio import BlockIO
 from vllm_layerkv.metadata import Peer, SendTask
-from vllm_layerkv.protocol import Hello, TransferAck
+from vllm_layerkv.wire.protocol import Hello, TransferAck
 from vllm_layerkv.stats import WorkerStats
-from vllm_layerkv.threads import start_thread
-from vllm_layerkv.trace import Tracer
+from vllm_layerkv.common.threads import start_thread
+from vllm_layerkv.common.trace import Tracer
 from vllm_layerkv.transport.base import PendingWrite, SendChannel, Transport, TransportError
 
 logger = logging.getLogger("vllm.layerkv.sender")

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from vllm_layerkv import staging
-from vllm_layerkv.layout import KVLayout
+from vllm_layerkv.kv import staging
+from vllm_layerkv.kv.layout import KVLayout
 
 
 def block_runs(blocks: Sequence[int]) -> Iterator[tuple[int, int]]:

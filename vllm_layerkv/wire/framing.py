@@ -5,7 +5,7 @@ from __future__ import annotations
 import select
 import socket
 
-from vllm_layerkv.protocol import (
+from vllm_layerkv.wire.protocol import (
     FRAME_HEADER,
     MAX_MESSAGE_BYTES,
     Message,

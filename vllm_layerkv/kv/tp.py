@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from vllm_layerkv.protocol import CompatInfo, compatibility_error
+from vllm_layerkv.wire.protocol import CompatInfo, compatibility_error
 
 
 class TPMismatchError(ValueError):

@@ -24,11 +24,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_layerkv import tp
+from vllm_layerkv.kv import tp
 from vllm_layerkv.config import LayerKVConfig
-from vllm_layerkv.kvgroups import ATTENTION_KINDS, BlockTableError, KVGroupInfo, select_blocks
+from vllm_layerkv.kv.groups import ATTENTION_KINDS, BlockTableError, KVGroupInfo, select_blocks
 from vllm_layerkv.metadata import LayerKVMetadata, Peer, SendTask
-from vllm_layerkv.protocol import (
+from vllm_layerkv.wire.protocol import (
     Cancel,
     CompatInfo,
     FirstToken,
@@ -36,9 +36,9 @@ from vllm_layerkv.protocol import (
     Register,
     RegisterAck,
 )
-from vllm_layerkv.registrar import RegistrationServer
-from vllm_layerkv.request_params import PrefillParams
-from vllm_layerkv.trace import Tracer
+from vllm_layerkv.scheduler.registrar import RegistrationServer
+from vllm_layerkv.scheduler.request_params import PrefillParams
+from vllm_layerkv.common.trace import Tracer
 
 logger = logging.getLogger("vllm.layerkv.prefill_scheduler")
 IDLE_WAIT_MIN_S = 0.01

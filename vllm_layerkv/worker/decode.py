@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import time
 
-from vllm_layerkv.blockio import BlockIO
+from vllm_layerkv.kv.blockio import BlockIO
 from vllm_layerkv.config import LayerKVConfig
 from vllm_layerkv.metadata import LayerKVMetadata
-from vllm_layerkv.protocol import CompatInfo
-from vllm_layerkv.receiver import RecvTable
+from vllm_layerkv.wire.protocol import CompatInfo
+from vllm_layerkv.worker.receiver import RecvTable
 from vllm_layerkv.stats import WorkerStats
-from vllm_layerkv.trace import Tracer
+from vllm_layerkv.common.trace import Tracer
 from vllm_layerkv.transport.base import Transport
 
 

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
-from vllm_layerkv import fused_copy
+from vllm_layerkv.kv import fused_copy
 
 
 class StagingError(RuntimeError):

@@ -26,12 +26,12 @@ import time
 from typing import Any
 
 from vllm_layerkv.config import LayerKVConfig
-from vllm_layerkv.grouping import plan_group_size, split_layers
-from vllm_layerkv.layout import KVLayout
+from vllm_layerkv.worker.grouping import plan_group_size, split_layers
+from vllm_layerkv.kv.layout import KVLayout
 from vllm_layerkv.metadata import LayerKVMetadata, SendTask
-from vllm_layerkv.sender import AbortTransfer, FinishTransfer, GroupSend, Sender
+from vllm_layerkv.worker.sender import AbortTransfer, FinishTransfer, GroupSend, Sender
 from vllm_layerkv.stats import WorkerStats
-from vllm_layerkv.trace import Tracer
+from vllm_layerkv.common.trace import Tracer
 
 logger = logging.getLogger("vllm.layerkv.prefill_worker")
 

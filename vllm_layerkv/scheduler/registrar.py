@@ -21,9 +21,9 @@ import socket
 import threading
 from collections.abc import Callable
 
-from vllm_layerkv.protocol import Cancel, FirstToken, Message, Refused, Register, RegisterAck
-from vllm_layerkv.threads import start_thread
-from vllm_layerkv.transport import framing
+from vllm_layerkv.wire.protocol import Cancel, FirstToken, Message, Refused, Register, RegisterAck
+from vllm_layerkv.common.threads import start_thread
+from vllm_layerkv.wire import framing
 
 logger = logging.getLogger("vllm.layerkv.registrar")
 

@@ -12,17 +12,17 @@ from typing import Any
 
 import torch
 
-from vllm_layerkv.blockio import block_io_for
+from vllm_layerkv.kv.blockio import block_io_for
 from vllm_layerkv.compat import device_type, kv_groups, tp_rank_and_size
 from vllm_layerkv.config import LayerKVConfig
-from vllm_layerkv.decode_worker import DecodeWorker, early_release_applies
-from vllm_layerkv.layout import KVLayout, LayoutError, compat_info
+from vllm_layerkv.worker.decode import DecodeWorker, early_release_applies
+from vllm_layerkv.kv.layout import KVLayout, LayoutError, compat_info
 from vllm_layerkv.metadata import LayerKVHandshake, LayerKVMetadata
-from vllm_layerkv.prefill_worker import PrefillWorker
-from vllm_layerkv.protocol import Hello
-from vllm_layerkv.sender import Sender
+from vllm_layerkv.worker.prefill import PrefillWorker
+from vllm_layerkv.wire.protocol import Hello
+from vllm_layerkv.worker.sender import Sender
 from vllm_layerkv.stats import LayerKVStats, WorkerStats
-from vllm_layerkv.trace import Tracer
+from vllm_layerkv.common.trace import Tracer
 from vllm_layerkv.transport import Transport, create_transport
 
 logger = logging.getLogger("vllm.layerkv.worker")

@@ -29,12 +29,12 @@ from typing import Any
 
 from vllm_layerkv.compat import append_prompt_token
 from vllm_layerkv.config import LayerKVConfig
-from vllm_layerkv.kvgroups import NULL_BLOCK
+from vllm_layerkv.kv.groups import NULL_BLOCK
 from vllm_layerkv.metadata import LayerKVMetadata, RecvClose, RecvTask
-from vllm_layerkv.protocol import Cancel, CompatInfo, FirstToken, Refused, Register
-from vllm_layerkv.registrar import RegistrationClient
-from vllm_layerkv.request_params import DecodeParams
-from vllm_layerkv.trace import Tracer
+from vllm_layerkv.wire.protocol import Cancel, CompatInfo, FirstToken, Refused, Register
+from vllm_layerkv.scheduler.registrar import RegistrationClient
+from vllm_layerkv.scheduler.request_params import DecodeParams
+from vllm_layerkv.common.trace import Tracer
 
 logger = logging.getLogger("vllm.layerkv.decode_scheduler")
 
