@@ -1,9 +1,9 @@
 """`vllm bench serve`, run point after point by one worker process that imports vLLM once.
 
-Every `vllm bench serve` command imports vLLM before it sends a request: about 11 s on the
-2-core CI machine and 16 s on the lent GPUs' hosts, against 1-4 s of requests for a c=1 point
-(see the timestamps of any `*_c1_in*.stdout` under benchmarks/results/). ttft_bench.py runs a
-dozen points per sweep, so on the GPUs the imports took minutes of each 10-minute call.
+Every `vllm bench serve` command imports vLLM before it sends a request: about 11 s on a
+2-core CPU machine and 16 s or more on the H200 hosts of benchmarks/results/, against 1-4 s of
+requests for a c=1 point. ttft_bench.py runs a dozen points per sweep, so a process per point
+spent minutes of each sweep importing (benchmarks/results/2026-11-24-h200-bench-worker/).
 
 ``BenchServe`` starts one worker (this file, ``--worker``) that imports vLLM's benchmark module
 (``vllm.benchmarks.serve``, the code behind the command) while the first configuration's servers

@@ -1,12 +1,12 @@
 """CPU time of the benchmark's processes, thread by thread, over one benchmark point (Linux /proc).
 
-Why: under load on 2 x H200 (seventeenth session), D's eager decode steps took 15 ms in some
-stretches and 30-35 ms in others. That happened in NixlConnector's and LayerKV's runs alike,
-while P was busy on its own GPU, and not when P was nearly idle. Eager, D's step is bound by
-its engine thread launching kernels, so anything on the host that takes CPU from that thread
-shows in TPOT. This records, for each group of processes (P, D, the proxy, the benchmark
-client), the CPU time its threads used during a point and the threads that used the most. It
-also records how many of the host's cores were busy.
+Why: under load on 2 x H200 (benchmarks/results/2026-11-24-x2-h200), D's eager decode steps
+took 15 ms in some stretches and 30-35 ms in others. That happened in NixlConnector's and
+LayerKV's runs alike, while P was busy on its own GPU, and not when P was nearly idle. Eager,
+D's step is bound by its engine thread launching kernels, so anything on the host that takes
+CPU from that thread shows in TPOT. This records, for each group of processes (P, D, the proxy,
+the benchmark client), the CPU time its threads used during a point and the threads that used
+the most. It also records how many of the host's cores were busy.
 
 A thread that ends during the point is not counted (it is gone from /proc at the second
 snapshot); vLLM's and the connector's long-lived threads are all there.

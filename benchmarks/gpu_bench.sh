@@ -1,5 +1,6 @@
 #!/bin/bash
-# On a lent GPU machine, after the bundle is staged and installed (../shared/gpu/README.md):
+# On a GPU host with vLLM and this package installed, from the project root (MODEL: a model
+# directory with Llama-3.1-8B's config.json and tokenizer, served with dummy weights):
 #   bash benchmarks/gpu_bench.sh [--ipc-test] [--tp-test] CONFIG... -- [extra ttft_bench.py args]
 #   MODEL_CONFIG=benchmarks/gpu_models/nemotronh8b bash benchmarks/gpu_bench.sh CONFIG... -- \
 #       --no-prefix-caching    (hybrid: attention + Mamba2, dummy weights; vLLM 0.26's NixlConnector
@@ -7,23 +8,23 @@
 # --ipc-test first runs tests/gpu/test_cuda_ipc.py (two processes, P on GPU 0, D on GPU 1: CUDA
 # IPC byte-exact + copy rates); --tp-test runs tests/gpu/test_tp_gpu.py (prefill TP != decode
 # TP: one process per rank, staging + receive ring, every byte checked, fused copy vs torch). Then benchmarks/ttft_bench.py on the Llama-3.1-8B-shaped dummy
-# model. Each run writes straight into $OUT/$RUN, so a call cut by its time limit still brings
-# back what it measured (summary.json is rewritten after every measurement). BENCH_TIMEOUT=S
+# model. Each run writes straight into $OUT/$RUN, so a run stopped by an outer time limit still
+# leaves what it measured (summary.json is rewritten after every measurement). BENCH_TIMEOUT=S
 # stops the benchmark after S seconds (it stops its servers on SIGTERM) and still packs what
-# it has: keep S about 30 s under the call's limit. Wrapping this whole script in `timeout`
-# instead also kills the packing, and the server logs do not come back. $BENCH keeps the single instance's greedy reference and a copy
-# of each run while the machine stays warm, so configurations can run in separate calls; each
-# call also packs $BENCH into $OUT/bench.tar.gz.
+# it has: keep S about 30 s under any outer limit. Wrapping this whole script in `timeout`
+# instead also kills the packing, and the server logs are lost. $BENCH keeps the single
+# instance's greedy reference and a copy of each run on the host, so configurations can run
+# one after the other; each run also packs $BENCH into $OUT/bench.tar.gz.
 set -uo pipefail
 # Everything this run starts inherits this tag; the clean-up at the end stops only processes
 # that carry it, never another run's (or a test cluster's) servers on the same machine.
 export LAYERKV_BENCH_TAG="gpu_bench.$$.$(date +%s%N)"
-# the working tree first: a later call on a warm machine runs the code it carried
+# the working tree first, so the run uses this checkout's code over an installed copy
 export PYTHONPATH=$PWD:$HOME/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 VLLM_HOST_IP=127.0.0.1
 MODEL=${MODEL:-$HOME/stage/core/models/llama8b}
 # MODEL_CONFIG=benchmarks/gpu_models/NAME: a config.json from the working tree (e.g. a hybrid),
-# served with the llama8b bundle's 32k tokenizer and dummy weights
+# served with the llama8b model directory's tokenizer and dummy weights
 if [ -n "${MODEL_CONFIG:-}" ]; then
   MODEL=$HOME/stage/models/$(basename "$MODEL_CONFIG"); mkdir -p "$MODEL"
   cp "$MODEL_CONFIG/config.json" "$MODEL/"
@@ -78,8 +79,8 @@ if [ ${#configs[@]} -gt 0 ]; then
   for p in "${probes[@]}"; do kill -- -"$p" 2>/dev/null; done
   cp -r "$OUT/$RUN" "$BENCH/"
 fi
-# Never leave this run's servers holding the GPUs for the next call: they run in sessions of
-# their own, so a benchmark killed past its deadline leaves them up. Only processes that carry
+# Never leave this run's servers holding the GPUs for the next run: each runs in a process
+# session of its own, so a benchmark killed past its deadline leaves them up. Only processes that carry
 # this run's tag are stopped (a blanket pkill once took down a test cluster running beside it).
 for pid in $(pgrep -f "[v]llm.entrypoints.cli.main serve|[v]llm_layerkv.cli proxy|[b]ench_serve.py --worker"); do
   tr '\0' '\n' < "/proc/$pid/environ" 2>/dev/null | grep -qx "LAYERKV_BENCH_TAG=$LAYERKV_BENCH_TAG" \

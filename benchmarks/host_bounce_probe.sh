@@ -1,5 +1,5 @@
 #!/bin/bash
-# On a lent GPU machine (bundle staged and installed, NIXL included): host_bounce over UCX tcp
+# On a GPU host with vLLM, NIXL and this package installed: host_bounce over UCX tcp
 # between two processes (tests/gpu/test_cuda_ipc.py, 2 GiB after an untimed warm-up transfer,
 # every byte checked) with 1, 2 (default) and 3 writes in flight, after a first run that
 # compiles the Triton gather / scatter kernels; direct writes of GPU memory for comparison;

@@ -19,8 +19,8 @@ With the first token from P (``layerkv-ft``, proxy ``--first-token-from-prefill`
 first token is P's, not D's: the step that takes it into D's batch gives it its *second* token.
 There, ``join_token=1`` (``--join-token 1``) marks joins by other requests' second tokens, and
 each request's first gap (P's token to D's, the hand-over, not a step) counts as neither kind.
-With the default (0) a ``layerkv-ft`` result has its joins in the wrong gaps: the sixteenth
-session's "join steps as fast as steady ones" came from that.
+With the default (0) a ``layerkv-ft`` result has its joins in the wrong gaps, and its join
+steps look as fast as steady ones (corrected in benchmarks/results/2026-11-24-h200-first-token).
 
 ``vllm bench serve`` records one gap per streamed chunk. A chunk that carries several tokens
 (the server, the proxy or the client fell behind and read them together) gives one longer gap

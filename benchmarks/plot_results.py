@@ -2,7 +2,7 @@
 
 Reads every ``bench.log`` under the given directories (the lines ttft_bench.py prints for each
 measurement: median TTFT at c=1, mean TTFT / TPOT under load, the first request's TTFT), so
-runs split over several device calls combine into one table. Needs matplotlib (plots only).
+runs made one after the other combine into one table. Needs matplotlib (plots only).
 
 Usage: python benchmarks/plot_results.py RESULT_DIR [RESULT_DIR ...] --out DIR
 """

@@ -38,8 +38,8 @@ Any P/D configuration takes a TP suffix -tpP-tpD (P's and D's --tensor-parallel-
   transfer counters (vllm:layerkv_groups_sent, transfers_sent) and the transfer operations per
   request they imply.
 
-GPU (lent H200s, see ../shared/gpu/README.md):
-  python3 benchmarks/ttft_bench.py --device cuda --model $HOME/stage/core/models/llama8b \
+GPU (a host with vLLM installed; MODEL_DIR holds Llama-3.1-8B's config.json and tokenizer):
+  python3 benchmarks/ttft_bench.py --device cuda --model $MODEL_DIR \
       --load-format dummy --prompt-lens 1024 4096 8192 16000 --num-prompts 10 \
       --load 16:4096:128:200 --identity 8 --out $OUT
 CPU smoke (tiny model; about 70 s on 2 cores, nearly all vLLM start-up):

