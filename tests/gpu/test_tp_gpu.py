@@ -1,8 +1,8 @@
 """Prefill TP != decode TP on GPUs, one process per rank (as vLLM runs them): gather into
 staging buffers on P's GPU -> CUDA IPC, NIXL or Mooncake into D's receive ring (or bytes over
 TCP) -> scatter into D's blocks, every byte of every D rank checked (tp_peer.py). Skipped
-without CUDA (CI); on the lent machines run as a script (the GPU image has no pytest). The
-NIXL and Mooncake cases need those engines (GPU kit parts p3 / p4) and are skipped without.
+without CUDA (CI); on a GPU host it also runs as a script, where pytest is not installed. The
+NIXL and Mooncake cases need those engines and are skipped without.
 
 Ranks go round-robin over the visible GPUs, D starting on the last one, so with two GPUs P TP2
 -> D TP1 puts P rank 1 and D on one GPU and P rank 0 on the other: both same-device and
