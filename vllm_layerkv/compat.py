@@ -25,7 +25,9 @@ VLLM_VERSION: str = getattr(vllm, "__version__", "unknown")
 HAS_TRANSFER_RESULTS: bool = hasattr(KVConnectorBase_V1, "get_transfer_results")
 
 if HAS_TRANSFER_RESULTS:
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorTransferResults,
+    )
 else:  # pragma: no cover - vLLM 0.26
     KVConnectorTransferResults = None  # type: ignore[assignment,misc]
 

@@ -9,11 +9,11 @@ Use::
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 
+from vllm_layerkv.common.log import init_logger
 from vllm_layerkv.compat import (
     HAS_TRANSFER_RESULTS,
     KVConnectorBase_V1,
@@ -28,7 +28,7 @@ from vllm_layerkv.scheduler.scheduler import LayerKVScheduler
 from vllm_layerkv.stats import LayerKVPromMetrics, LayerKVStats
 from vllm_layerkv.worker.worker import LayerKVWorker
 
-logger = logging.getLogger("vllm.layerkv.connector")
+logger = init_logger(__name__)
 
 
 class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):

@@ -12,17 +12,17 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_layerkv.kv.blockio import HostBlockIO
+from vllm_layerkv.common.trace import Tracer
 from vllm_layerkv.config import LayerKVConfig
+from vllm_layerkv.kv.blockio import HostBlockIO
 from vllm_layerkv.kv.layout import KVLayout
 from vllm_layerkv.metadata import Peer, SendTask
+from vllm_layerkv.stats import WorkerStats
+from vllm_layerkv.transport import create_transport
+from vllm_layerkv.transport.base import Transport
 from vllm_layerkv.wire.protocol import CompatInfo, Hello
 from vllm_layerkv.worker.receiver import RecvTable
 from vllm_layerkv.worker.sender import FinishTransfer, GroupSend, Outgoing, Sender
-from vllm_layerkv.stats import WorkerStats
-from vllm_layerkv.common.trace import Tracer
-from vllm_layerkv.transport import create_transport
-from vllm_layerkv.transport.base import Transport
 
 NUM_LAYERS, NUM_BLOCKS, BLOCK_BYTES = 4, 64, 4096
 SENTINEL = 0xA5

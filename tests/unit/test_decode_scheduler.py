@@ -12,11 +12,11 @@ from kv_sides import compat
 from vllm_objects import create_request
 
 from vllm_layerkv.config import LayerKVConfig
-from vllm_layerkv.scheduler.decode import DecodeScheduler
 from vllm_layerkv.metadata import LayerKVMetadata
-from vllm_layerkv.wire.protocol import Cancel, FirstToken, Register, RegisterAck
+from vllm_layerkv.scheduler.decode import DecodeScheduler
 from vllm_layerkv.scheduler.registrar import RegistrationServer
 from vllm_layerkv.scheduler.request_params import DecodeParams
+from vllm_layerkv.wire.protocol import Cancel, FirstToken, Register, RegisterAck
 
 
 def scheduled(*req_ids: str) -> SimpleNamespace:

@@ -1,5 +1,5 @@
 """benchmarks/gpu_bench.sh: a benchmark stopped by its own deadline (BENCH_TIMEOUT) still gets
-its results packed, so a device call that runs long brings back what it measured, and the
+its results packed, so a run that hits its time limit still keeps what it measured, and the
 servers it left behind are stopped, but no one else's. Runs the script with stand-ins for
 nvidia-smi and python3 (a benchmark that starts a "server" in a session of its own, as vLLM
 servers are started, and never ends)."""

@@ -12,6 +12,7 @@ import sys
 import msgspec
 import pytest
 
+from vllm_layerkv.wire import framing
 from vllm_layerkv.wire.protocol import (
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
@@ -38,7 +39,6 @@ from vllm_layerkv.wire.protocol import (
     decode,
     encode,
 )
-from vllm_layerkv.wire import framing
 
 COMPAT = CompatInfo(vllm_version="0.32.0", model="tiny-llama", dtype="float32", kv_layout="HND",
                     block_size=16, num_kv_heads=2, head_size=64, num_layers=8, block_bytes=16384,

@@ -9,8 +9,8 @@ import time
 from kv_sides import compat
 
 from vllm_layerkv.metadata import RecvTask
-from vllm_layerkv.worker.receiver import RecvTable
 from vllm_layerkv.stats import WorkerStats
+from vllm_layerkv.worker.receiver import RecvTable
 
 
 def table() -> RecvTable:

@@ -9,8 +9,8 @@ import queue
 import pytest
 from kv_sides import compat
 
-from vllm_layerkv.wire.protocol import Cancel, FirstToken, Refused, Register, RegisterAck
 from vllm_layerkv.scheduler.registrar import RegistrationClient, RegistrationServer
+from vllm_layerkv.wire.protocol import Cancel, FirstToken, Refused, Register, RegisterAck
 
 
 def register(tid: str, wants_first_token: bool = True) -> Register:

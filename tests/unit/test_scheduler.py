@@ -28,8 +28,8 @@ from vllm_objects import (
 )
 
 from vllm_layerkv.metadata import Peer, RecvTask, SendTask
-from vllm_layerkv.wire.protocol import Cancel, Register, RegisterAck
 from vllm_layerkv.scheduler.registrar import RegistrationServer
+from vllm_layerkv.wire.protocol import Cancel, Register, RegisterAck
 
 P_EXTRA = {"min_prompt_tokens": 32, "registration_wait_s": 5.0, "group_size": 3}
 CHUNK = 56  # max_num_batched_tokens on P: chunks end inside a block (56 = 3.5 blocks)

@@ -131,9 +131,9 @@ def test_a_full_ring_refuses_the_write_and_fails_the_transfer_on_decode() -> Non
     import socket
     from collections import deque
 
-    from vllm_layerkv.wire.protocol import DirectWrite, WriteGrant
-    from vllm_layerkv.wire import framing
     from vllm_layerkv.transport.tcp import TcpTransport
+    from vllm_layerkv.wire import framing
+    from vllm_layerkv.wire.protocol import DirectWrite, WriteGrant
 
     class Sink:
         def __init__(self) -> None:

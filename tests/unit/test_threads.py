@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from vllm_layerkv.worker import prefill as prefill_worker
-from vllm_layerkv.scheduler.registrar import RegistrationServer
 from vllm_layerkv.common.threads import kernel_name, start_thread
+from vllm_layerkv.scheduler.registrar import RegistrationServer
+from vllm_layerkv.worker import prefill as prefill_worker
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 

@@ -11,7 +11,6 @@ import msgspec
 import pytest
 import torch
 
-
 from vllm_layerkv.kv import tp
 from vllm_layerkv.wire.protocol import CompatInfo
 

@@ -21,19 +21,19 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from kv_sides import SENTINEL, TIMEOUT, compat
+
+from vllm_layerkv.common.trace import Tracer
+from vllm_layerkv.config import LayerKVConfig
 from vllm_layerkv.kv import tp
 from vllm_layerkv.kv.blockio import HostBlockIO
-from vllm_layerkv.config import LayerKVConfig
 from vllm_layerkv.kv.layout import KVLayout
 from vllm_layerkv.metadata import Peer, SendTask
+from vllm_layerkv.stats import WorkerStats
+from vllm_layerkv.transport import create_transport
 from vllm_layerkv.wire.protocol import Hello
 from vllm_layerkv.worker.receiver import RecvTable
 from vllm_layerkv.worker.sender import FinishTransfer, GroupSend, Sender
-from vllm_layerkv.stats import WorkerStats
-from vllm_layerkv.common.trace import Tracer
-from vllm_layerkv.transport import create_transport
 
 LAYERS, BLOCKS, BLOCK_SIZE, HEAD_DIM = 4, 32, 16, 8  # float32: 512 B per head per block
 GROUPS = ((0, 1), (2, 3))

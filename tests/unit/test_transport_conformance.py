@@ -29,10 +29,10 @@ import pytest
 import torch
 from kv_sides import (
     BLOCK_BYTES,
-    SENTINEL,
     NUM_BLOCKS,
     NUM_LAYERS,
     PEER,
+    SENTINEL,
     TIMEOUT,
     UNKNOWN_WAIT_S,
     assert_copied,
@@ -42,13 +42,13 @@ from kv_sides import (
     transport_config,
 )
 
-from vllm_layerkv.kv.blockio import block_runs
 from vllm_layerkv.config import LayerKVConfig
+from vllm_layerkv.kv.blockio import block_runs
 from vllm_layerkv.metadata import Peer, RecvTask, SendTask
-from vllm_layerkv.worker.sender import AbortTransfer, FinishTransfer, GroupSend
 from vllm_layerkv.transport import faults
 from vllm_layerkv.transport.direct import AddressedPeer, DirectWriteFailed
 from vllm_layerkv.transport.nixl import MAX_COALESCED_RUNS
+from vllm_layerkv.worker.sender import AbortTransfer, FinishTransfer, GroupSend
 
 TRANSPORTS = os.environ.get("LAYERKV_TEST_TRANSPORTS",
                             "tcp,nixl,mooncake,nixl+bounce,mooncake+bounce").split(",")
@@ -567,7 +567,7 @@ def test_host_bounce_preparation_that_fails_is_left_to_the_first_request(
 
     d = d_side()
     monkeypatch.setattr(cls, "register", refuse_once)
-    with caplog.at_level(logging.WARNING, logger="vllm.layerkv.sender"):
+    with caplog.at_level(logging.WARNING, logger="vllm.layerkv.worker.sender"):
         p = p_side()
     assert ("could not prepare host_bounce at start-up (registration refused (test)); the "
             "first request will") in caplog.text

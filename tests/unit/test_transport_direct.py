@@ -35,20 +35,20 @@ from kv_sides import (
     task,
 )
 
+from vllm_layerkv.common.trace import Tracer
 from vllm_layerkv.kv.blockio import HostBlockIO
 from vllm_layerkv.kv.layout import KVLayout
 from vllm_layerkv.metadata import RecvTask
-from vllm_layerkv.wire.protocol import DirectWrite, Hello, HelloAck, KVExport, WriteGrant
-from vllm_layerkv.worker.receiver import RecvTable
-from vllm_layerkv.worker.sender import Sender
 from vllm_layerkv.stats import WorkerStats
-from vllm_layerkv.common.trace import Tracer
 from vllm_layerkv.transport import create_transport
-from vllm_layerkv.wire import framing
 from vllm_layerkv.transport.base import TransportError
 from vllm_layerkv.transport.cuda_ipc import MAX_RUN_COPIES, CudaIpcPlane, copy_blocks
 from vllm_layerkv.transport.direct import DirectUnavailable, PeerWriter, host_id, paired_runs
 from vllm_layerkv.transport.tcp import TcpTransport
+from vllm_layerkv.wire import framing
+from vllm_layerkv.wire.protocol import DirectWrite, Hello, HelloAck, KVExport, WriteGrant
+from vllm_layerkv.worker.receiver import RecvTable
+from vllm_layerkv.worker.sender import Sender
 
 _EXPORTED: dict[str, list[torch.Tensor]] = {}
 

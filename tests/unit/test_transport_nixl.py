@@ -10,9 +10,9 @@ from kv_sides import NUM_BLOCKS, make_caches
 
 from vllm_layerkv.kv.blockio import HostBlockIO
 from vllm_layerkv.kv.layout import KVLayout
-from vllm_layerkv.wire.protocol import NixlExport
 from vllm_layerkv.transport import nixl
 from vllm_layerkv.transport.direct import host_id
+from vllm_layerkv.wire.protocol import NixlExport
 
 
 def export(mem_type: str = "VRAM", host: str | None = None, uuid: str = "GPU-a") -> NixlExport:

@@ -9,8 +9,8 @@ import sys
 import pytest
 from kv_sides import NUM_BLOCKS, make_caches
 
-from vllm_layerkv.kv.blockio import HostBlockIO
 from vllm_layerkv.config import LayerKVConfig
+from vllm_layerkv.kv.blockio import HostBlockIO
 from vllm_layerkv.kv.layout import KVLayout
 from vllm_layerkv.transport import TransportError, create_transport
 

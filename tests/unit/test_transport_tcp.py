@@ -9,7 +9,6 @@ import threading
 import time
 
 import pytest
-
 from kv_sides import (
     BLOCK_BYTES,
     NUM_BLOCKS,
@@ -26,11 +25,10 @@ from kv_sides import (
 from vllm_layerkv.kv.blockio import HostBlockIO
 from vllm_layerkv.kv.layout import KVLayout
 from vllm_layerkv.metadata import RecvTask
-from vllm_layerkv.wire.protocol import BlockData, Hello, HelloAck
-from vllm_layerkv.wire import framing
 from vllm_layerkv.transport.base import TransportError
 from vllm_layerkv.transport.tcp import TcpTransport
-
+from vllm_layerkv.wire import framing
+from vllm_layerkv.wire.protocol import BlockData, Hello, HelloAck
 
 # ------------------------------------------------------------------------------ refusals
 

@@ -106,7 +106,7 @@ def test_a_proxy_that_fails_to_start_takes_its_servers_down(tmp_path) -> None:
 
 def test_a_configuration_that_does_not_start_is_recorded_and_the_next_one_runs(
         tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A lent GPU's call is short: one configuration failing to start must not cost the others."""
+    """One configuration failing to start must not cost the others their measurements."""
     import sys
 
     from vllm_layerkv.testing.servers import ServerError

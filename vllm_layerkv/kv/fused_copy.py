@@ -13,12 +13,13 @@ otherwise (CPU, no Triton), and for good if a launch ever fails (logged once).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 
 import torch
 
-logger = logging.getLogger("vllm.layerkv.fused_copy")
+from vllm_layerkv.common.log import init_logger
+
+logger = init_logger(__name__)
 
 try:
     import triton

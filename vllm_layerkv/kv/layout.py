@@ -252,10 +252,8 @@ def compat_info(vllm_config: "object", kv_cache_config: "object") -> "CompatInfo
     """What a peer must match, derived identically in the scheduler and in every worker."""
     import os
 
-    from vllm_layerkv.compat import VLLM_VERSION
+    from vllm_layerkv.compat import VLLM_VERSION, kv_groups
     from vllm_layerkv.wire.protocol import CompatInfo
-
-    from vllm_layerkv.compat import kv_groups
 
     spec = attention_spec(kv_cache_config)
     groups = kv_groups(kv_cache_config)

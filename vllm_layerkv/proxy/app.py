@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import os
 import uuid
 from typing import Any, Iterable, Sequence
@@ -16,6 +15,8 @@ from urllib.parse import urlsplit
 import aiohttp
 from aiohttp import web
 
+from vllm_layerkv.common.log import init_logger
+from vllm_layerkv.common.trace import Tracer
 from vllm_layerkv.proxy.backends import (
     Backend,
     Lease,
@@ -40,9 +41,8 @@ from vllm_layerkv.proxy.errors import (
 )
 from vllm_layerkv.proxy.first_token import PrefillToken, UsagePlusOne, ineligible
 from vllm_layerkv.proxy.relay import ClientGone, StreamRelay, open_stream
-from vllm_layerkv.common.trace import Tracer
 
-logger = logging.getLogger("vllm_layerkv.proxy")
+logger = init_logger(__name__)
 
 # Prompts can be long (and chat requests may carry base64 images): aiohttp's default 1 MiB
 # request-body limit would reject legitimate long-context benchmark requests.

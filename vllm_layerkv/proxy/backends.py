@@ -5,13 +5,14 @@ picks one per request and counts the requests each has in flight."""
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 from urllib.parse import urlsplit
 
-logger = logging.getLogger("vllm_layerkv.proxy")
+from vllm_layerkv.common.log import init_logger
+
+logger = init_logger(__name__)
 
 UNREACHABLE_BACKOFF_S = 5.0
 """After a request or health check could not reach an instance, the router passes it over for

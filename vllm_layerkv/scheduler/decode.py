@@ -21,22 +21,22 @@ recomputed the last prompt token.
 
 from __future__ import annotations
 
-import logging
 import queue
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_layerkv.common.log import init_logger
+from vllm_layerkv.common.trace import Tracer
 from vllm_layerkv.compat import append_prompt_token
 from vllm_layerkv.config import LayerKVConfig
 from vllm_layerkv.kv.groups import NULL_BLOCK
 from vllm_layerkv.metadata import LayerKVMetadata, RecvClose, RecvTask
-from vllm_layerkv.wire.protocol import Cancel, CompatInfo, FirstToken, Refused, Register
 from vllm_layerkv.scheduler.registrar import RegistrationClient
 from vllm_layerkv.scheduler.request_params import DecodeParams
-from vllm_layerkv.common.trace import Tracer
+from vllm_layerkv.wire.protocol import Cancel, CompatInfo, FirstToken, Refused, Register
 
-logger = logging.getLogger("vllm.layerkv.decode_scheduler")
+logger = init_logger(__name__)
 
 
 @dataclass

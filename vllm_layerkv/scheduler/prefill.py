@@ -17,17 +17,25 @@ connection per rank pair makes the later copy win. The same rule covers every la
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_layerkv.kv import tp
+from vllm_layerkv.common.log import init_logger
+from vllm_layerkv.common.trace import Tracer
 from vllm_layerkv.config import LayerKVConfig
-from vllm_layerkv.kv.groups import ATTENTION_KINDS, BlockTableError, KVGroupInfo, select_blocks
+from vllm_layerkv.kv import tp
+from vllm_layerkv.kv.groups import (
+    ATTENTION_KINDS,
+    BlockTableError,
+    KVGroupInfo,
+    select_blocks,
+)
 from vllm_layerkv.metadata import LayerKVMetadata, Peer, SendTask
+from vllm_layerkv.scheduler.registrar import RegistrationServer
+from vllm_layerkv.scheduler.request_params import PrefillParams
 from vllm_layerkv.wire.protocol import (
     Cancel,
     CompatInfo,
@@ -36,11 +44,8 @@ from vllm_layerkv.wire.protocol import (
     Register,
     RegisterAck,
 )
-from vllm_layerkv.scheduler.registrar import RegistrationServer
-from vllm_layerkv.scheduler.request_params import PrefillParams
-from vllm_layerkv.common.trace import Tracer
 
-logger = logging.getLogger("vllm.layerkv.prefill_scheduler")
+logger = init_logger(__name__)
 IDLE_WAIT_MIN_S = 0.01
 IDLE_WAIT_MAX_S = 1.25
 """While P only waits for decode registrations (prefills deferred for one, finished prefills

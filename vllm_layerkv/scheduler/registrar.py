@@ -15,17 +15,24 @@ scheduling.
 
 from __future__ import annotations
 
-import logging
 import queue
 import socket
 import threading
 from collections.abc import Callable
 
-from vllm_layerkv.wire.protocol import Cancel, FirstToken, Message, Refused, Register, RegisterAck
+from vllm_layerkv.common.log import init_logger
 from vllm_layerkv.common.threads import start_thread
 from vllm_layerkv.wire import framing
+from vllm_layerkv.wire.protocol import (
+    Cancel,
+    FirstToken,
+    Message,
+    Refused,
+    Register,
+    RegisterAck,
+)
 
-logger = logging.getLogger("vllm.layerkv.registrar")
+logger = init_logger(__name__)
 
 
 class _Link:

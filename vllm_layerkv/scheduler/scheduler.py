@@ -7,15 +7,15 @@ on any instance.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
+from vllm_layerkv.common.log import init_logger
 from vllm_layerkv.compat import device_type, kv_groups, truncate_prompt
 from vllm_layerkv.config import LayerKVConfig
 from vllm_layerkv.kv.groups import prefill_backoff
-from vllm_layerkv.scheduler.decode import DecodeScheduler
 from vllm_layerkv.kv.layout import compat_info
 from vllm_layerkv.metadata import LayerKVHandshake, LayerKVMetadata
+from vllm_layerkv.scheduler.decode import DecodeScheduler
 from vllm_layerkv.scheduler.prefill import PrefillScheduler
 from vllm_layerkv.scheduler.request_params import (
     DecodeParams,
@@ -26,7 +26,7 @@ from vllm_layerkv.scheduler.request_params import (
     parse,
 )
 
-logger = logging.getLogger("vllm.layerkv.scheduler")
+logger = init_logger(__name__)
 
 
 class LayerKVScheduler:

@@ -220,7 +220,14 @@ def _tiny_corpus() -> list[str]:
 
 def _build_tiny_llama(out: Path) -> None:
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     # tokenizer: byte-level BPE trained offline. BPE training is deterministic for a fixed

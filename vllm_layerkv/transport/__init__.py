@@ -8,19 +8,24 @@ itself: CUDA IPC between GPUs of one host (``cuda_ipc.py``), NIXL (``nixl.py``),
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import TYPE_CHECKING
 
-from vllm_layerkv.kv.blockio import BlockIO
+from vllm_layerkv.common.log import init_logger
 from vllm_layerkv.config import TRANSPORTS
-from vllm_layerkv.transport.base import ReceiveSink, SendChannel, Transport, TransportError
+from vllm_layerkv.kv.blockio import BlockIO
+from vllm_layerkv.transport.base import (
+    ReceiveSink,
+    SendChannel,
+    Transport,
+    TransportError,
+)
 from vllm_layerkv.transport.direct import DirectPlane, DirectUnavailable
 
 if TYPE_CHECKING:
     from vllm_layerkv.config import LayerKVConfig
 
-logger = logging.getLogger("vllm.layerkv.transport")
+logger = init_logger(__name__)
 
 
 def create_transport(name: str, blocks: BlockIO, config: LayerKVConfig | None = None

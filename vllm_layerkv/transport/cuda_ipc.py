@@ -21,13 +21,12 @@ forward path.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 
 import msgspec
 import torch
 
-from vllm_layerkv.wire.protocol import DirectExport, Hello, IpcTensor, KVExport
+from vllm_layerkv.common.log import init_logger
 from vllm_layerkv.kv.staging import RecvRing, gather
 from vllm_layerkv.transport.direct import (
     DirectPlane,
@@ -41,8 +40,9 @@ from vllm_layerkv.transport.direct import (
     host_id,
     paired_runs,
 )
+from vllm_layerkv.wire.protocol import DirectExport, Hello, IpcTensor, KVExport
 
-logger = logging.getLogger("vllm.layerkv.transport.cuda_ipc")
+logger = init_logger(__name__)
 MAX_RUN_COPIES = 8
 """Up to this many paired runs per layer are copied with one memcpy each; more (scattered
 blocks) switch to one gather + one scatter kernel per layer."""

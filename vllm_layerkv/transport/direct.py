@@ -33,7 +33,6 @@ Planes: ``cuda_ipc.py`` (same host, KV on CUDA), ``nixl.py`` (NIXL agents: UCX, 
 
 from __future__ import annotations
 
-import logging
 import socket
 import threading
 from abc import ABC, abstractmethod
@@ -45,10 +44,11 @@ from typing import Any
 import msgspec
 import torch
 
-from vllm_layerkv.wire.protocol import DirectExport, Hello
+from vllm_layerkv.common.log import init_logger
 from vllm_layerkv.kv.staging import RecvRing, StagingError, gather, slice_bytes
+from vllm_layerkv.wire.protocol import DirectExport, Hello
 
-logger = logging.getLogger("vllm.layerkv.transport.direct")
+logger = init_logger(__name__)
 
 
 class DirectUnavailable(RuntimeError):

@@ -19,13 +19,12 @@ not): P writes into D's KV with the Mooncake ``TransferEngine``.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from vllm_layerkv.wire.protocol import DirectExport, MooncakeExport
+from vllm_layerkv.common.log import init_logger
 from vllm_layerkv.transport.direct import (
     AddressedPeer,
     AddressedPlane,
@@ -34,8 +33,9 @@ from vllm_layerkv.transport.direct import (
     layer_geometry,
     memory_regions,
 )
+from vllm_layerkv.wire.protocol import DirectExport, MooncakeExport
 
-logger = logging.getLogger("vllm.layerkv.transport.mooncake")
+logger = init_logger(__name__)
 INSTALL_HINT = ("install it with: pip install 'vllm-layerkv[mooncake]' (CUDA hosts) or "
                 "'vllm-layerkv[mooncake-cpu]'; the wheels need libibverbs.so.1 "
                 "(Debian/Ubuntu: apt-get install libibverbs1)")

@@ -31,7 +31,6 @@ its event descriptors, so a long delay costs no latency; ``_new_agent`` sets one
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 import uuid
@@ -42,7 +41,7 @@ import msgspec
 import numpy as np
 import torch
 
-from vllm_layerkv.wire.protocol import DirectExport, NixlExport
+from vllm_layerkv.common.log import init_logger
 from vllm_layerkv.kv.staging import RecvRing
 from vllm_layerkv.transport.direct import (
     AddressedPeer,
@@ -54,8 +53,9 @@ from vllm_layerkv.transport.direct import (
     layer_geometry,
     memory_regions,
 )
+from vllm_layerkv.wire.protocol import DirectExport, NixlExport
 
-logger = logging.getLogger("vllm.layerkv.transport.nixl")
+logger = init_logger(__name__)
 MAX_COALESCED_RUNS = 16
 """Up to this many block runs per layer are written as coalesced descriptors; beyond, the
 per-block prepared lists are used."""

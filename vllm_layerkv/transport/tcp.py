@@ -25,7 +25,6 @@ thread per connection (the sender thread writes). P's end of a connection is
 
 from __future__ import annotations
 
-import logging
 import socket
 import threading
 import time
@@ -35,25 +34,12 @@ from collections.abc import Callable, Sequence
 import msgspec
 import torch
 
+from vllm_layerkv.common.log import init_logger
+from vllm_layerkv.common.threads import start_thread
 from vllm_layerkv.kv import fused_copy
 from vllm_layerkv.kv.blockio import BlockIO
-from vllm_layerkv.wire.protocol import (
-    BlockData,
-    DirectWrite,
-    DirectWritten,
-    Hello,
-    HelloAck,
-    Refused,
-    TransferAbort,
-    TransferAck,
-    TransferDone,
-    TransferNearlyDone,
-    WriteGrant,
-)
 from vllm_layerkv.kv.staging import RecvRing, StagingError, scatter
-from vllm_layerkv.common.threads import start_thread
 from vllm_layerkv.transport import faults
-from vllm_layerkv.wire import framing
 from vllm_layerkv.transport.base import (
     ReceiveSink,
     SendChannel,
@@ -67,8 +53,22 @@ from vllm_layerkv.transport.direct import (
     host_id,
 )
 from vllm_layerkv.transport.tcp_channel import TcpSendChannel
+from vllm_layerkv.wire import framing
+from vllm_layerkv.wire.protocol import (
+    BlockData,
+    DirectWrite,
+    DirectWritten,
+    Hello,
+    HelloAck,
+    Refused,
+    TransferAbort,
+    TransferAck,
+    TransferDone,
+    TransferNearlyDone,
+    WriteGrant,
+)
 
-logger = logging.getLogger("vllm.layerkv.transport.tcp")
+logger = init_logger(__name__)
 SCRATCH_BYTES = 4 * 1024 * 1024
 SLOT_POLL_S = 0.001
 """D: how often a connection with a ring write waiting for a slot looks for one."""

@@ -12,7 +12,6 @@ transfer on it through ``on_lost``.
 
 from __future__ import annotations
 
-import logging
 import queue
 import socket
 import time
@@ -20,7 +19,13 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from vllm_layerkv.common.log import init_logger
+from vllm_layerkv.common.threads import start_thread
 from vllm_layerkv.kv.blockio import BlockIO
+from vllm_layerkv.transport import faults
+from vllm_layerkv.transport.base import PendingWrite, SendChannel, TransportError
+from vllm_layerkv.transport.direct import DirectWriteFailed, PeerWriter
+from vllm_layerkv.wire import framing
 from vllm_layerkv.wire.protocol import (
     BlockData,
     DirectWrite,
@@ -31,13 +36,8 @@ from vllm_layerkv.wire.protocol import (
     TransferNearlyDone,
     WriteGrant,
 )
-from vllm_layerkv.common.threads import start_thread
-from vllm_layerkv.transport import faults
-from vllm_layerkv.wire import framing
-from vllm_layerkv.transport.base import PendingWrite, SendChannel, TransportError
-from vllm_layerkv.transport.direct import DirectWriteFailed, PeerWriter
 
-logger = logging.getLogger("vllm.layerkv.transport.tcp")
+logger = init_logger(__name__)
 _NO_GRANT_YET = object()
 GRANT_PATIENCE_S = 0.002
 """How long a sender with ring writes in flight waits for its next grant before it finishes

@@ -21,19 +21,19 @@ instance can have vLLM schedule the request while the last group is computed and
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any
 
+from vllm_layerkv.common.log import init_logger
+from vllm_layerkv.common.trace import Tracer
 from vllm_layerkv.config import LayerKVConfig
-from vllm_layerkv.worker.grouping import plan_group_size, split_layers
 from vllm_layerkv.kv.layout import KVLayout
 from vllm_layerkv.metadata import LayerKVMetadata, SendTask
-from vllm_layerkv.worker.sender import AbortTransfer, FinishTransfer, GroupSend, Sender
 from vllm_layerkv.stats import WorkerStats
-from vllm_layerkv.common.trace import Tracer
+from vllm_layerkv.worker.grouping import plan_group_size, split_layers
+from vllm_layerkv.worker.sender import AbortTransfer, FinishTransfer, GroupSend, Sender
 
-logger = logging.getLogger("vllm.layerkv.prefill_worker")
+logger = init_logger(__name__)
 
 
 def _new_event(device_type: str) -> Any:

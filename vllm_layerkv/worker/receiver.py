@@ -21,19 +21,19 @@ token (``token_arrived``): vLLM must not schedule the request before the token i
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from vllm_layerkv.common.log import init_logger
+from vllm_layerkv.common.trace import Tracer
 from vllm_layerkv.kv import tp
 from vllm_layerkv.metadata import RecvTask
-from vllm_layerkv.wire.protocol import CompatInfo, Hello, TransferAck
 from vllm_layerkv.stats import WorkerStats
-from vllm_layerkv.common.trace import Tracer
+from vllm_layerkv.wire.protocol import CompatInfo, Hello, TransferAck
 
-logger = logging.getLogger("vllm.layerkv.receiver")
+logger = init_logger(__name__)
 TOMBSTONE_S = 600.0
 
 

@@ -21,7 +21,6 @@ with several decode ranks is acknowledged when every one of them acknowledged it
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 import time
@@ -31,16 +30,22 @@ from typing import Any
 
 import torch
 
+from vllm_layerkv.common.log import init_logger
+from vllm_layerkv.common.threads import start_thread
+from vllm_layerkv.common.trace import Tracer
 from vllm_layerkv.kv import fused_copy, staging, tp
 from vllm_layerkv.kv.blockio import BlockIO
 from vllm_layerkv.metadata import Peer, SendTask
-from vllm_layerkv.wire.protocol import Hello, TransferAck
 from vllm_layerkv.stats import WorkerStats
-from vllm_layerkv.common.threads import start_thread
-from vllm_layerkv.common.trace import Tracer
-from vllm_layerkv.transport.base import PendingWrite, SendChannel, Transport, TransportError
+from vllm_layerkv.transport.base import (
+    PendingWrite,
+    SendChannel,
+    Transport,
+    TransportError,
+)
+from vllm_layerkv.wire.protocol import Hello, TransferAck
 
-logger = logging.getLogger("vllm.layerkv.sender")
+logger = init_logger(__name__)
 
 
 @dataclass

@@ -7,25 +7,25 @@ threads) on a consumer, both on ``kv_both``.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 
-from vllm_layerkv.kv.blockio import block_io_for
+from vllm_layerkv.common.log import init_logger
+from vllm_layerkv.common.trace import Tracer
 from vllm_layerkv.compat import device_type, kv_groups, tp_rank_and_size
 from vllm_layerkv.config import LayerKVConfig
-from vllm_layerkv.worker.decode import DecodeWorker, early_release_applies
+from vllm_layerkv.kv.blockio import block_io_for
 from vllm_layerkv.kv.layout import KVLayout, LayoutError, compat_info
 from vllm_layerkv.metadata import LayerKVHandshake, LayerKVMetadata
-from vllm_layerkv.worker.prefill import PrefillWorker
-from vllm_layerkv.wire.protocol import Hello
-from vllm_layerkv.worker.sender import Sender
 from vllm_layerkv.stats import LayerKVStats, WorkerStats
-from vllm_layerkv.common.trace import Tracer
 from vllm_layerkv.transport import Transport, create_transport
+from vllm_layerkv.wire.protocol import Hello
+from vllm_layerkv.worker.decode import DecodeWorker, early_release_applies
+from vllm_layerkv.worker.prefill import PrefillWorker
+from vllm_layerkv.worker.sender import Sender
 
-logger = logging.getLogger("vllm.layerkv.worker")
+logger = init_logger(__name__)
 IDLE_WAIT_S = 0.002
 IDLE_WAIT_MAX_S = 0.05
 """On a step with nothing scheduled while transfers are in flight, wait for a completion instead

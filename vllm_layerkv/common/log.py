@@ -1,0 +1,26 @@
+"""Logger names: each module takes ``logger = init_logger(__name__)``, as vLLM's modules do.
+
+vLLM attaches its handler and level to its ``vllm`` logger only, so a plugin's records show in
+vLLM's log output only from a logger below it: ``vllm_layerkv.worker.sender`` logs as
+``vllm.layerkv.worker.sender``. This module does not import vLLM's own ``init_logger``: the
+proxy, which never imports vLLM, uses it too (under ``vllm-layerkv proxy`` the root logger's
+handler prints the same records).
+"""
+
+from __future__ import annotations
+
+import logging
+
+PACKAGE = "vllm_layerkv"
+LOGGER_ROOT = "vllm.layerkv"
+
+
+def logger_name(module: str) -> str:
+    """``vllm_layerkv.x.y`` -> ``vllm.layerkv.x.y``; any other name is kept."""
+    if module == PACKAGE or module.startswith(PACKAGE + "."):
+        return LOGGER_ROOT + module[len(PACKAGE):]
+    return module
+
+
+def init_logger(module: str) -> logging.Logger:
+    return logging.getLogger(logger_name(module))
