@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_layerkv.common.backoff import Backoff
 from vllm_layerkv.common.log import init_logger
 from vllm_layerkv.common.trace import Tracer
 from vllm_layerkv.config import LayerKVConfig
@@ -113,7 +114,7 @@ class PrefillScheduler:
         self._first_seen: dict[str, float] = {}
         self._arrived = threading.Event()
         """Set by the registration threads when a Register or Cancel is queued."""
-        self._idle_wait = IDLE_WAIT_MIN_S
+        self._idle_wait = Backoff(IDLE_WAIT_MIN_S, IDLE_WAIT_MAX_S)
         self._tracer = Tracer(config.trace_path, "psched", 0)
         self._server = RegistrationServer(config.host, config.registration_port,
                                           self._on_register, self._on_cancel)
@@ -268,14 +269,14 @@ class PrefillScheduler:
         """Throttle empty engine steps while P only waits for registrations (IDLE_WAIT_MAX_S)."""
         deadline = self._next_deadline() if self._idle_backoff else None
         if scheduler_output.total_num_scheduled_tokens or deadline is None:
-            self._idle_wait = IDLE_WAIT_MIN_S
+            self._idle_wait.reset()
             self._arrived.clear()
             return
-        wait = min(self._idle_wait, max(0.0, deadline - time.monotonic()))
+        wait = min(self._idle_wait.current, max(0.0, deadline - time.monotonic()))
         if self._arrived.wait(wait):
-            self._idle_wait = IDLE_WAIT_MIN_S
+            self._idle_wait.reset()
         else:
-            self._idle_wait = min(2 * self._idle_wait, IDLE_WAIT_MAX_S)
+            self._idle_wait.next()
         self._arrived.clear()  # whatever arrived is drained right after
 
     def _next_deadline(self) -> float | None:

@@ -41,6 +41,7 @@ import msgspec
 import numpy as np
 import torch
 
+from vllm_layerkv.common.backoff import Backoff
 from vllm_layerkv.common.log import init_logger
 from vllm_layerkv.kv.staging import RecvRing
 from vllm_layerkv.transport.direct import (
@@ -264,15 +265,14 @@ class NixlPeer(AddressedPeer):
 
     def _wait(self, handle: Any, state: str, deadline: float) -> None:
         """Poll a posted WRITE with a growing sleep until it is DONE, then release it."""
-        delay = POLL_FIRST_S
+        delay = Backoff(POLL_FIRST_S, POLL_MAX_S)
         try:
             while state == "PROC":
                 if time.monotonic() > deadline:
                     raise DirectWriteFailed(
                         f"nixl: WRITE to {self._remote} did not complete within "
                         f"io_timeout_s={self._io_timeout:.0f}")
-                time.sleep(delay)
-                delay = min(delay * 2, POLL_MAX_S)
+                time.sleep(delay.next())
                 state = self._agent.check_xfer_state(handle)
             if state != "DONE":
                 raise DirectWriteFailed(

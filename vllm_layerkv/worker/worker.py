@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from vllm_layerkv.common.backoff import Backoff
 from vllm_layerkv.common.log import init_logger
 from vllm_layerkv.common.trace import Tracer
 from vllm_layerkv.compat import device_type, kv_groups, tp_rank_and_size
@@ -61,8 +62,7 @@ class LayerKVWorker:
         self._meta: LayerKVMetadata | None = None
         self._early_release = False
         """Decode: report nearly done transfers early (``early_release_applies``)."""
-        self._idle_wait = IDLE_WAIT_S
-        self._idle_wait_max = (IDLE_WAIT_MAX_S if config.backs_off_when_idle(
+        self._idle_wait = Backoff(IDLE_WAIT_S, IDLE_WAIT_MAX_S if config.backs_off_when_idle(
             device_type(vllm_config)) else IDLE_WAIT_S)
         """The wait grows only with idle_backoff on (CPU instances by default)."""
 
@@ -139,7 +139,7 @@ class LayerKVWorker:
     def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving) since the last call."""
         idle = self._meta is not None and self._meta.empty_step
-        wait = self._idle_wait if idle else 0.0
+        wait = self._idle_wait.current if idle else 0.0
         waited = event = False
         sending: set[str] = set()
         recving: set[str] = set()
@@ -156,9 +156,9 @@ class LayerKVWorker:
             # request waits for its last group before the forward, and would hold others up
             recving, failed = self._decode.results(wait, early=idle and self._early_release)
         if not waited or event or sending or recving or failed:
-            self._idle_wait = IDLE_WAIT_S
+            self._idle_wait.reset()
         else:
-            self._idle_wait = min(2 * self._idle_wait, self._idle_wait_max)
+            self._idle_wait.next()
         return sending, recving, failed
 
     def failed_blocks(self, request_failures: bool) -> set[int]:
