@@ -44,7 +44,7 @@ def _run_proxy(args: argparse.Namespace) -> int:
 
 
 def _add_proxy(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    from vllm_layerkv.proxy.backends import ROUTING_POLICIES
+    from vllm_layerkv.proxy.routing import ROUTING_POLICIES
 
     p = sub.add_parser(
         "proxy", parents=[common], help="OpenAI-compatible prefill/decode proxy",

@@ -462,7 +462,7 @@ def test_client_disconnect_cancels_both() -> None:
             await asyncio.wait_for(h.prefill[0].cancelled.wait(), WAIT_S)
             await asyncio.wait_for(h.decode[0].cancelled.wait(), WAIT_S)
             await asyncio.sleep(0.05)
-            assert not h.proxy._background  # nothing left running
+            assert not h.proxy.background.tasks  # nothing left running
 
     run(main())
 

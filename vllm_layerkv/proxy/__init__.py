@@ -10,7 +10,7 @@ Flow of one ``/v1/completions`` or ``/v1/chat/completions`` request::
     client ◄── D's response (status, JSON body, or the SSE stream chunk by chunk)
 
 * P and D are picked independently of each other (any xPyD layout): by default the instance
-  with the fewest requests in flight, ties in turn (``--routing``, backends.Router).
+  with the fewest requests in flight, ties in turn (``--routing``, routing.Router).
 * Both upstream requests are sent **at the same time**. The LayerKV connector on D registers
   with P's LayerKV endpoint (``remote_host:remote_port``) as soon as D has scheduled the request,
   and P streams the KV layer group by layer group while it is still prefilling; waiting for P's
@@ -30,29 +30,46 @@ model id from ``GET /v1/models`` and sends a 1-token completion with
 ``kv_transfer_params={"layerkv_endpoint": "HOST:PORT", ...}`` in the response. The endpoint can
 also be given explicitly as a URL fragment, ``http://p-host:8100#kv=HOST:PORT``.
 
-Modules: ``backends`` (URLs, the router), ``bodies`` (the client's body checked, P's and D's
-derived), ``errors`` (error answers), ``relay`` (D's stream to the client), ``app`` (start-up,
-handlers, the aiohttp application). See docs/proxy.md for usage.
+Modules:
+
+* ``app``: the aiohttp application (``build_app``, ``run_proxy``): the parts wired together,
+  the routes, the error boundary.
+* ``config``: ``ProxyConfig``, the proxy's settings.
+* ``backends``: a backend's URL checked, and what the proxy knows of each instance.
+* ``routing``: the pick of P and D per request, the requests each instance has in flight.
+* ``upstream``: the pooled HTTP client to the backends.
+* ``discovery``: each prefill instance's LayerKV endpoint.
+* ``health``: the backends' ``/health`` and the proxy's own.
+* ``startup``: the health wait and discovery before the first request.
+* ``orchestration``: the generation endpoints (transfer_id, P and D sent at once, prefill-only
+  requests) and ``/v1/models``.
+* ``exchange``: one P/D request in flight, and the client's answer made from it.
+* ``first_token_exchange``: the same, answered with P's token first.
+* ``bodies``: the client's body checked, P's and D's derived.
+* ``first_token``: what ``--first-token-from-prefill`` changes in bodies and answers.
+* ``relay``: D's stream to the client.
+* ``errors``: error answers.
+* ``tasks``: cancelling upstream requests, tasks that outlive their handler.
+
+See docs/proxy.md for usage.
 """
 
 from vllm_layerkv.proxy.app import PROXY_KEY, ProxyApp, build_app, run_proxy
-from vllm_layerkv.proxy.backends import (
-    ROUTING_POLICIES,
-    Backend,
-    Router,
-    parse_backend_url,
-)
+from vllm_layerkv.proxy.backends import Backend, parse_backend_url
 from vllm_layerkv.proxy.bodies import (
     decode_body,
     needs_prompt_logprobs,
     parse_request_body,
     prefill_body,
 )
+from vllm_layerkv.proxy.config import ProxyConfig
+from vllm_layerkv.proxy.routing import ROUTING_POLICIES, Router
 
 __all__ = [
     "PROXY_KEY",
     "Backend",
     "ProxyApp",
+    "ProxyConfig",
     "ROUTING_POLICIES",
     "Router",
     "build_app",

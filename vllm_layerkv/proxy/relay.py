@@ -8,8 +8,11 @@ from typing import Callable, Protocol
 import aiohttp
 from aiohttp import web
 
+from vllm_layerkv.common.log import init_logger
 from vllm_layerkv.proxy.backends import Backend
 from vllm_layerkv.proxy.errors import UpstreamError, sse_error
+
+logger = init_logger(__name__)
 
 
 class ClientGone(Exception):
@@ -95,6 +98,20 @@ class StreamRelay:
                 up.release()  # connection back to the pool
             else:
                 up.close()  # cut short (client gone, P failed): closing makes vLLM abort
+
+    async def answer(self, task: asyncio.Task[None], tid: str) -> web.StreamResponse:
+        """The handler's return value once ``task`` (running ``run``) is over: the stream, ended
+        with an error event if D broke off; the error itself if nothing was streamed yet."""
+        try:
+            await task
+        except ClientGone:
+            logger.debug("request %s: client disconnected", tid)
+        except UpstreamError as e:
+            if self.response is None:
+                return e.response({"X-Request-Id": tid})
+            await self.finish_with_error(502, str(e), "bad_gateway")
+        assert self.response is not None
+        return self.response
 
     async def finish_with_error(self, status: int, message: str, type_: str) -> None:
         """End an already started stream with an SSE error event (what vLLM does itself)."""
