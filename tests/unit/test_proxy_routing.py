@@ -1,4 +1,4 @@
-"""How the proxy picks P and D (backends.Router): least-loaded by default, round-robin on
+"""How the proxy picks P and D (routing.Router): least-loaded by default, round-robin on
 request; and that every request's hold on an instance ends when that instance is done with it,
 however the request ends."""
 
