@@ -9,7 +9,7 @@ Use::
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,20 +23,41 @@ from vllm_layerkv.compat import (
     make_transfer_results,
 )
 from vllm_layerkv.config import LayerKVConfig
-from vllm_layerkv.metadata import LayerKVMetadata
+from vllm_layerkv.metadata import LayerKVHandshake, LayerKVMetadata
 from vllm_layerkv.scheduler.scheduler import LayerKVScheduler
 from vllm_layerkv.stats import LayerKVPromMetrics, LayerKVStats
 from vllm_layerkv.worker.worker import LayerKVWorker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorHandshakeMetadata,
+        KVConnectorTransferResults,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
 
 logger = init_logger(__name__)
 
 
 class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
-    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
+    # Signatures follow KVConnectorBase_V1's; its dict[str, Any] holds JSON-like values
+    # (kv_connector_extra_config, stats data, a response's kv_transfer_params).
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         ktc = vllm_config.kv_transfer_config
+        assert ktc is not None  # the base class refuses a config without one
         self._config = LayerKVConfig.from_extra_config(ktc.kv_connector_extra_config)
         is_producer, is_consumer = bool(ktc.is_kv_producer), bool(ktc.is_kv_consumer)
+        self._num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
         self._scheduler: LayerKVScheduler | None = None
         self._worker: LayerKVWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -48,7 +69,7 @@ class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ------------------------------------------------------------------ class-level hooks
     @classmethod
-    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         # HND (= LBHNC): block dimension outermost, a block is one contiguous run per layer.
         return "HND"
 
@@ -63,8 +84,10 @@ class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
         return LayerKVStats(data=data) if data is not None else LayerKVStats()
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str],
-                           per_engine_labelvalues: dict[int, list[object]]) -> LayerKVPromMetrics:
+    def build_prom_metrics(cls, vllm_config: VllmConfig,
+                           metric_types: dict[type[PromMetric], type[PromMetricT]],
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
+                           ) -> LayerKVPromMetrics:
         return LayerKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ------------------------------------------------------------------ worker side
@@ -72,7 +95,7 @@ class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)
 
-    def get_handshake_metadata(self) -> Any:
+    def get_handshake_metadata(self) -> LayerKVHandshake | None:
         return self._worker.get_handshake_metadata() if self._worker else None
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
@@ -85,15 +108,15 @@ class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is not None:
             self._worker.clear()
 
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         # Push design: decode never pulls; KV lands in its blocks before the request runs.
         return None
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
-                      **kwargs: Any) -> None:
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
         assert self._worker is not None
         self._worker.on_layer_saved(layer_name)
 
@@ -120,7 +143,8 @@ class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     if HAS_TRANSFER_RESULTS:
 
-        def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        def get_transfer_results(self, finished_req_ids: set[str]
+                                 ) -> KVConnectorTransferResults:
             assert self._worker is not None
             sending, recving, failed = self._worker.transfer_results()
             return make_transfer_results(sending, recving, failed)
@@ -135,33 +159,33 @@ class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler.shutdown()
 
     # ------------------------------------------------------------------ scheduler side
-    def on_new_request(self, request: Any) -> None:
+    def on_new_request(self, request: Request) -> None:
         if self._scheduler is not None:
             self._scheduler.on_new_request(request)
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int
-                                 ) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
         assert self._scheduler is not None
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
         return self._scheduler.build_connector_meta(scheduler_output)
 
-    def update_connector_output(self, connector_output: Any) -> None:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self._scheduler is not None
         self._scheduler.update_connector_output(connector_output)
 
-    def request_finished(self, request: Any, block_ids: list[int]
+    def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished_all_groups(request, (block_ids,))
 
-    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids)
@@ -169,10 +193,11 @@ class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.has_pending_push_work()
 
-    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]
+                                    ) -> None:
         if self._scheduler is not None:
             self._scheduler.set_handshake_metadata(metadata)
 
-    def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
         # Everything LayerKV writes must not be zeroed by vLLM under or after the write.
-        return tuple(range(len(self._kv_cache_config.kv_cache_groups)))
+        return tuple(range(self._num_kv_cache_groups))

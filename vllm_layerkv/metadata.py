@@ -4,11 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorHandshakeMetadata,
-)
-
-from vllm_layerkv.compat import KVConnectorMetadata
+from vllm_layerkv.compat import KVConnectorHandshakeMetadata, KVConnectorMetadata
 
 
 @dataclass

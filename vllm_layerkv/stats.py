@@ -13,16 +13,13 @@ the transport. Layer-group streaming exists to make it small.
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
-    KVConnectorPromMetrics,
-    KVConnectorStats,
-    PromMetric,
-    PromMetricT,
-)
+from vllm_layerkv.compat import KVConnectorPromMetrics, KVConnectorStats, create_metric_per_engine
 
-from vllm_layerkv.compat import create_metric_per_engine
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
 
 _LIST_KEYS = ("send_seconds", "exposed_seconds", "recv_seconds")
 _SUM_KEYS = ("bytes_sent", "bytes_received", "groups_sent", "transfers_sent",
@@ -30,6 +27,7 @@ _SUM_KEYS = ("bytes_sent", "bytes_received", "groups_sent", "transfers_sent",
 
 
 def _empty() -> dict[str, Any]:
+    # vLLM's KVConnectorStats.data: counters (int) and samples (list[float]) under one dict
     data: dict[str, Any] = {k: 0 for k in _SUM_KEYS}
     data.update({k: [] for k in _LIST_KEYS})
     return data
@@ -114,18 +112,19 @@ class WorkerStats:
 class LayerKVPromMetrics(KVConnectorPromMetrics):
     """``/metrics``: vllm:layerkv_* counters and histograms, one series per engine."""
 
-    def __init__(self, vllm_config: Any, metric_types: dict[type[PromMetric], type[PromMetricT]],
-                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]):
+    def __init__(self, vllm_config: VllmConfig,
+                 metric_types: dict[type[PromMetric], type[PromMetricT]],
+                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         time_buckets = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                         2.5, 5.0, 10.0]
 
-        def counter(name: str, doc: str) -> dict[int, Any]:
+        def counter(name: str, doc: str) -> dict[int, PromMetric]:
             return create_metric_per_engine(
                 self._counter_cls(name=name, documentation=doc, labelnames=labelnames),
                 per_engine_labelvalues)
 
-        def histogram(name: str, doc: str) -> dict[int, Any]:
+        def histogram(name: str, doc: str) -> dict[int, PromMetric]:
             return create_metric_per_engine(
                 self._histogram_cls(name=name, documentation=doc, buckets=time_buckets,
                                     labelnames=labelnames),

@@ -26,7 +26,13 @@ from vllm_layerkv.stats import WorkerStats
 from vllm_layerkv.transport import create_transport
 from vllm_layerkv.wire.protocol import CompatInfo, Hello
 from vllm_layerkv.worker.receiver import RecvTable
-from vllm_layerkv.worker.sender import FinishTransfer, GroupSend, Sender
+from vllm_layerkv.worker.sender import (
+    FinishTransfer,
+    GroupSend,
+    Sender,
+    SenderParts,
+    SenderTuning,
+)
 
 SENTINEL = 0x5A
 
@@ -96,11 +102,11 @@ def run_p(spec: dict, endpoint: str) -> None:
     config = LayerKVConfig(**spec.get("config", {}))
     transport = create_transport(spec["transport"], blocks, config)
     tracer = Tracer(os.environ.get("LAYERKV_GPU_TRACE", ""), "p", 0)
-    sender = Sender(transport, blocks, hello, tp_rank=0, connect_timeout=10.0,
-                    io_timeout=30.0, stats=stats, tracer=tracer,
-                    staging_bytes=config.staging_buffer_mb << 20,
-                    staging_buffers=config.staging_buffers,
-                    writes_in_flight=config.writes_in_flight)
+    sender = Sender(SenderParts(transport, blocks, hello, stats=stats, tracer=tracer),
+                    SenderTuning(connect_timeout_s=10.0, io_timeout_s=30.0,
+                                 staging_bytes=config.staging_buffer_mb << 20,
+                                 staging_buffers=config.staging_buffers,
+                                 writes_in_flight=config.writes_in_flight))
     peer = Peer(engine_id="d", tp_size=1, data_endpoints=[endpoint])
     tasks = [SendTask(req_id=f"req-{i}", transfer_id=f"tid-{i}", peer=peer, src_blocks=[t["src"]],
                       dst_blocks=[t["dst"]], final=True, new_tokens=16 * len(t["src"]))

@@ -29,7 +29,13 @@ from vllm_layerkv.stats import WorkerStats
 from vllm_layerkv.transport import create_transport
 from vllm_layerkv.wire.protocol import CompatInfo, Hello
 from vllm_layerkv.worker.receiver import RecvTable
-from vllm_layerkv.worker.sender import FinishTransfer, GroupSend, Sender
+from vllm_layerkv.worker.sender import (
+    FinishTransfer,
+    GroupSend,
+    Sender,
+    SenderParts,
+    SenderTuning,
+)
 
 SENTINEL = 0x5A
 DEVICE = os.environ.get("LAYERKV_TP_PEER_DEVICE", "cuda")  # "cpu": check this harness on CPU
@@ -108,10 +114,11 @@ def run_p(rank: int, spec: dict, endpoints: list[str]) -> None:
                   tp_size=spec["p_tp"])
     cfg = config(spec)
     transport = create_transport(spec["transport"], blocks, cfg)
-    sender = Sender(transport, blocks, hello, tp_rank=rank, connect_timeout=10.0,
-                    io_timeout=30.0, stats=stats, tracer=Tracer("", "p", rank),
-                    tp_staging=spec.get("tp_staging", True),
-                    staging_bytes=cfg.staging_buffer_mb << 20, staging_buffers=2)
+    sender = Sender(SenderParts(transport, blocks, hello, stats=stats,
+                                tracer=Tracer("", "p", rank)),
+                    SenderTuning(connect_timeout_s=10.0, io_timeout_s=30.0,
+                                 tp_staging=spec.get("tp_staging", True),
+                                 staging_bytes=cfg.staging_buffer_mb << 20, staging_buffers=2))
     peer = Peer(engine_id="d", tp_size=spec["d_tp"], data_endpoints=endpoints)
     task = SendTask(req_id="req-0", transfer_id="tid-0", peer=peer, src_blocks=[spec["src"]],
                     dst_blocks=[spec["dst"]], final=True, new_tokens=16 * len(spec["src"]))

@@ -22,7 +22,14 @@ from vllm_layerkv.transport import create_transport
 from vllm_layerkv.transport.base import Transport
 from vllm_layerkv.wire.protocol import CompatInfo, Hello
 from vllm_layerkv.worker.receiver import RecvTable
-from vllm_layerkv.worker.sender import FinishTransfer, GroupSend, Outgoing, Sender
+from vllm_layerkv.worker.sender import (
+    FinishTransfer,
+    GroupSend,
+    Outgoing,
+    Sender,
+    SenderParts,
+    SenderTuning,
+)
 
 NUM_LAYERS, NUM_BLOCKS, BLOCK_BYTES = 4, 64, 4096
 SENTINEL = 0xA5
@@ -153,11 +160,12 @@ def start_p(transport: str, engine_id: str = "prefill-0", dtype: torch.dtype = t
                   tp_rank=0, tp_size=tp_size)
     blocks = HostBlockIO(layout)
     name, config = transport_config(transport, config)
-    sender = Sender(create_transport(name, blocks, config), blocks, hello, tp_rank=0,
-                    connect_timeout=2.0, io_timeout=5.0, stats=stats, tracer=Tracer("", "p", 0),
-                    staging_bytes=config.staging_buffer_mb << 20,
-                    staging_buffers=config.staging_buffers,
-                    writes_in_flight=config.writes_in_flight)
+    sender = Sender(SenderParts(create_transport(name, blocks, config), blocks, hello,
+                                stats=stats, tracer=Tracer("", "p", 0)),
+                    SenderTuning(connect_timeout_s=2.0, io_timeout_s=5.0,
+                                 staging_bytes=config.staging_buffer_mb << 20,
+                                 staging_buffers=config.staging_buffers,
+                                 writes_in_flight=config.writes_in_flight))
     return PSide(sender, layout, stats, engine_id)
 
 

@@ -33,7 +33,13 @@ from vllm_layerkv.stats import WorkerStats
 from vllm_layerkv.transport import create_transport
 from vllm_layerkv.wire.protocol import Hello
 from vllm_layerkv.worker.receiver import RecvTable
-from vllm_layerkv.worker.sender import FinishTransfer, GroupSend, Sender
+from vllm_layerkv.worker.sender import (
+    FinishTransfer,
+    GroupSend,
+    Sender,
+    SenderParts,
+    SenderTuning,
+)
 
 LAYERS, BLOCKS, BLOCK_SIZE, HEAD_DIM = 4, 32, 16, 8  # float32: 512 B per head per block
 GROUPS = ((0, 1), (2, 3))
@@ -112,10 +118,11 @@ class Cluster:
             hello = Hello(compat=rank_compat(p_tp, heads, dtype), engine_id="prefill", tp_rank=r,
                           tp_size=p_tp)
             stats = WorkerStats()
-            sender = Sender(create_transport(transport, blocks, config), blocks, hello,
-                            tp_rank=r, connect_timeout=2.0, io_timeout=5.0, stats=stats,
-                            tracer=Tracer("", "p", r), tp_staging=tp_staging,
-                            staging_bytes=staging_bytes, staging_buffers=2)
+            sender = Sender(SenderParts(create_transport(transport, blocks, config), blocks,
+                                        hello, stats=stats, tracer=Tracer("", "p", r)),
+                            SenderTuning(connect_timeout_s=2.0, io_timeout_s=5.0,
+                                         tp_staging=tp_staging, staging_bytes=staging_bytes,
+                                         staging_buffers=2))
             self.p.append(PRank(sender, stats))
         self.peer = Peer(engine_id="decode", tp_size=d_tp,
                          data_endpoints=[d.endpoint for d in self.d])

@@ -48,7 +48,7 @@ from vllm_layerkv.transport.tcp import TcpTransport
 from vllm_layerkv.wire import framing
 from vllm_layerkv.wire.protocol import DirectWrite, Hello, HelloAck, KVExport, WriteGrant
 from vllm_layerkv.worker.receiver import RecvTable
-from vllm_layerkv.worker.sender import Sender
+from vllm_layerkv.worker.sender import Sender, SenderParts, SenderTuning
 
 _EXPORTED: dict[str, list[torch.Tensor]] = {}
 
@@ -112,8 +112,9 @@ def start_p(required: bool = False, **peering) -> tuple[PSide, HostPeering]:
     peering_ = HostPeering(layout, **peering)
     hello = Hello(compat=compat(), engine_id="prefill-0", tp_rank=0, tp_size=1)
     transport = TcpTransport([peering_], required="cuda_ipc" if required else "")
-    sender = Sender(transport, HostBlockIO(layout), hello, tp_rank=0,
-                    connect_timeout=2.0, io_timeout=5.0, stats=stats, tracer=Tracer("", "p", 0))
+    sender = Sender(SenderParts(transport, HostBlockIO(layout), hello, stats=stats,
+                                tracer=Tracer("", "p", 0)),
+                    SenderTuning(connect_timeout_s=2.0, io_timeout_s=5.0))
     return PSide(sender, layout, stats, "prefill-0"), peering_
 
 

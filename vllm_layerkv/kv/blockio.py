@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator, Sequence
-from typing import Any
 
 import torch
 
@@ -130,7 +129,7 @@ class StagedBlockIO(BlockIO):
         self._device = layout.device
         self._local = threading.local()  # each transport thread has its own stream + buffer
 
-    def _state(self, nbytes: int) -> tuple[Any, torch.Tensor]:
+    def _state(self, nbytes: int) -> tuple[torch.cuda.Stream, torch.Tensor]:
         st = self._local
         if not hasattr(st, "stream"):
             torch.cuda.set_device(self._device)

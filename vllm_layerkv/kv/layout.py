@@ -22,6 +22,9 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
+
     from vllm_layerkv.kv.groups import KVGroupInfo
     from vllm_layerkv.wire.protocol import CompatInfo
 
@@ -172,10 +175,10 @@ class KVLayout:
         return [t.numpy() for t in self.block_tensors()]
 
 
-def attention_spec(kv_cache_config: "object"):
+def attention_spec(kv_cache_config: KVCacheConfig) -> KVCacheSpec:
     """The KV spec standing for the model's geometry in ``CompatInfo`` (the first attention
     group's, else the first group's); refuses group kinds this version cannot move."""
-    from vllm_layerkv.compat import _group_spec, kv_groups
+    from vllm_layerkv.compat import group_spec, kv_groups
     from vllm_layerkv.kv.groups import ATTENTION_KINDS, unsupported_kinds
 
     groups = kv_groups(kv_cache_config)
@@ -191,7 +194,7 @@ def attention_spec(kv_cache_config: "object"):
         raise LayoutError(f"KV cache groups have different page sizes {sorted(pages)}; "
                           "LayerKV needs vLLM's unified page size")
     index = next((i for i, g in enumerate(groups) if g.kind in ATTENTION_KINDS), 0)
-    return _group_spec(kv_cache_config.kv_cache_groups[index])  # type: ignore[attr-defined]
+    return group_spec(kv_cache_config.kv_cache_groups[index])
 
 
 FP8_CACHE_DTYPES = {"fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
@@ -203,7 +206,7 @@ UNQUANTIZED_CACHE_DTYPES = ("auto", "bfloat16", "float16")
 """Values whose storage dtype (``CompatInfo.dtype``) says everything about a block."""
 
 
-def kv_cache_format(vllm_config: "object") -> str:
+def kv_cache_format(vllm_config: VllmConfig) -> str:
     """What a peer must match about ``--kv-cache-dtype`` beyond the storage dtype: ``""`` for
     an unquantized cache, else the fp8 format (plus ``--kv-cache-dtype-skip-layers``). Both fp8
     formats are stored as bytes, so the storage dtype alone would let an e4m3 P feed an e5m2 D.
@@ -212,8 +215,9 @@ def kv_cache_format(vllm_config: "object") -> str:
     TurboQuant, DeepSeek's ``fp8_ds_mla``): their scales are per token, and where vLLM keeps
     them has not been checked against LayerKV's whole-page copies, so moving their pages could
     leave D reading values under scales that never arrived."""
-    cache = getattr(vllm_config, "cache_config", None)
-    name = str(getattr(cache, "cache_dtype", None) or "auto")
+    from vllm_layerkv.compat import computes_kv_scales, kv_cache_dtype, kv_cache_dtype_skip_layers
+
+    name = kv_cache_dtype(vllm_config)
     if name in UNQUANTIZED_CACHE_DTYPES:
         return ""
     if name not in FP8_CACHE_DTYPES:
@@ -221,19 +225,17 @@ def kv_cache_format(vllm_config: "object") -> str:
             f"--kv-cache-dtype {name} is not supported by this LayerKV version (its per-token "
             "scales are not known to travel with the cache pages); serve prefill and decode "
             f"with one of {', '.join([*UNQUANTIZED_CACHE_DTYPES, *FP8_CACHE_DTYPES])}")
-    from vllm_layerkv.compat import computes_kv_scales
-
     if computes_kv_scales(vllm_config):
         raise LayoutError(
             "--calculate-kv-scales with an fp8 KV cache: prefill and decode would each compute "
             "their own scales from their own first batch, so decode would read prefill's fp8 "
             "values with other scales; drop --calculate-kv-scales (the scales then come from "
             "the checkpoint, else 1.0)")
-    skipped = getattr(cache, "kv_cache_dtype_skip_layers", None) or []
+    skipped = kv_cache_dtype_skip_layers(vllm_config)
     return FP8_CACHE_DTYPES[name] + (f" skip={','.join(map(str, skipped))}" if skipped else "")
 
 
-def _total_kv_heads(vllm_config: "object", groups: "list[KVGroupInfo]") -> int:
+def _total_kv_heads(vllm_config: VllmConfig, groups: list[KVGroupInfo]) -> int:
     """The model's KV heads before the TP split (0 if vLLM cannot say).
 
     MLA caches one latent vector per token, which every TP rank holds whole: one "head" that
@@ -243,35 +245,33 @@ def _total_kv_heads(vllm_config: "object", groups: "list[KVGroupInfo]") -> int:
     if any(g.kind == "mla" for g in groups):
         return 1
     try:
-        return int(vllm_config.model_config.get_total_num_kv_heads())  # type: ignore[attr-defined]
+        return int(vllm_config.model_config.get_total_num_kv_heads())
     except Exception:  # noqa: BLE001 - attention-free models, test doubles
         return 0
 
 
-def compat_info(vllm_config: "object", kv_cache_config: "object") -> "CompatInfo":
+def compat_info(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> CompatInfo:
     """What a peer must match, derived identically in the scheduler and in every worker."""
     import os
 
-    from vllm_layerkv.compat import VLLM_VERSION, kv_groups
+    from vllm_layerkv.compat import VLLM_VERSION, kv_groups, spec_geometry
     from vllm_layerkv.wire.protocol import CompatInfo
 
-    spec = attention_spec(kv_cache_config)
+    spec = spec_geometry(attention_spec(kv_cache_config))
     groups = kv_groups(kv_cache_config)
-    model = str(vllm_config.model_config.model).rstrip("/")  # type: ignore[attr-defined]
-    num_layers = sum(len(g.layer_names)
-                     for g in kv_cache_config.kv_cache_groups)  # type: ignore[attr-defined]
-    dtype = getattr(spec, "dtype", None) or getattr(spec, "dtypes", ("?",))
+    model = str(vllm_config.model_config.model).rstrip("/")
+    num_layers = sum(len(g.layer_names) for g in kv_cache_config.kv_cache_groups)
     return CompatInfo(
         vllm_version=VLLM_VERSION,
         model=os.path.basename(model),
-        dtype=str(dtype).removeprefix("torch."),
+        dtype=spec.dtype,
         kv_layout="HND",
         block_size=spec.block_size,
-        num_kv_heads=getattr(spec, "num_kv_heads", 0),
+        num_kv_heads=spec.num_kv_heads,
         total_kv_heads=_total_kv_heads(vllm_config, groups),
-        head_size=getattr(spec, "head_size", 0),
+        head_size=spec.head_size,
         num_layers=num_layers,
-        block_bytes=spec.page_size_bytes,
+        block_bytes=spec.page_bytes,
         kv_groups=[g.signature() for g in groups],
         kv_cache_format=kv_cache_format(vllm_config),
     )

@@ -24,17 +24,22 @@ from __future__ import annotations
 import queue
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from vllm_layerkv.common.log import init_logger
 from vllm_layerkv.common.trace import Tracer
-from vllm_layerkv.compat import append_prompt_token
+from vllm_layerkv.compat import append_prompt_token, scheduled_req_ids
 from vllm_layerkv.config import LayerKVConfig
 from vllm_layerkv.kv.groups import NULL_BLOCK
 from vllm_layerkv.metadata import LayerKVMetadata, RecvClose, RecvTask
 from vllm_layerkv.scheduler.registrar import RegistrationClient
 from vllm_layerkv.scheduler.request_params import DecodeParams
 from vllm_layerkv.wire.protocol import Cancel, CompatInfo, FirstToken, Refused, Register
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
 
 logger = init_logger(__name__)
 
@@ -46,14 +51,14 @@ class _Waiting:
     endpoint: str
     deadline: float
     closed: bool = False
-    request: Any = None
+    request: Request | None = None
     """vLLM's Request, kept when it is to continue from P's first token."""
     first_token: int | None = None
 
 
 class DecodeScheduler:
     def __init__(self, config: LayerKVConfig, compat: CompatInfo, tp_size: int, engine_id: str,
-                 backoff: int = 0):
+                 backoff: int = 0) -> None:
         self._config = config
         self._backoff = backoff
         """Trailing prompt tokens D computes itself (Mamba state: P sends h(N-1))."""
@@ -79,7 +84,8 @@ class DecodeScheduler:
         self._data_endpoints = endpoints
         logger.info("LayerKV decode data endpoints: %s", endpoints)
 
-    def num_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def num_matched_tokens(self, request: Request, num_computed_tokens: int
+                           ) -> tuple[int, bool]:
         if request.request_id in self._admitted:
             # Asked again: D preempted the request after its KV arrived and freed the blocks.
             # P has long released the prompt's KV, so D recomputes it (prefix cache permitting).
@@ -88,7 +94,7 @@ class DecodeScheduler:
         n = request.num_prompt_tokens - self._backoff - num_computed_tokens
         return (n, True) if n > 0 else (0, False)
 
-    def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int,
+    def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int,
                     params: DecodeParams) -> None:
         req_id = request.request_id
         local = self._local_hits.pop(req_id, 0)
@@ -125,7 +131,8 @@ class DecodeScheduler:
             return
         self._client.send(params.remote_endpoint, reg)
 
-    def build_meta(self, meta: LayerKVMetadata, scheduler_output: Any = None) -> None:
+    def build_meta(self, meta: LayerKVMetadata,
+                   scheduler_output: SchedulerOutput | None = None) -> None:
         self._drain_replies()
         if self._received and scheduler_output is not None:
             self._mark_first_steps(meta, scheduler_output)
@@ -175,12 +182,12 @@ class DecodeScheduler:
     def shutdown(self) -> None:
         self._client.close()
 
-    def _mark_first_steps(self, meta: LayerKVMetadata, scheduler_output: Any) -> None:
+    def _mark_first_steps(self, meta: LayerKVMetadata, scheduler_output: SchedulerOutput
+                          ) -> None:
         """The step that computes a received request's first token: the worker waits there for
         KV of a request it reported early, and the profile splits D's part of TTFT at it
         (scheduled here, bound and launched on the worker)."""
-        scheduled = {r.req_id for r in scheduler_output.scheduled_new_reqs}
-        scheduled.update(scheduler_output.scheduled_cached_reqs.req_ids)
+        scheduled = scheduled_req_ids(scheduler_output)
         first = sorted(self._received & scheduled)
         if first:
             self._received -= set(first)

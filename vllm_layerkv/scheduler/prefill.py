@@ -21,11 +21,12 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from vllm_layerkv.common.backoff import Backoff
 from vllm_layerkv.common.log import init_logger
 from vllm_layerkv.common.trace import Tracer
+from vllm_layerkv.compat import scheduled_requests
 from vllm_layerkv.config import LayerKVConfig
 from vllm_layerkv.kv import tp
 from vllm_layerkv.kv.groups import (
@@ -45,6 +46,9 @@ from vllm_layerkv.wire.protocol import (
     Register,
     RegisterAck,
 )
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
 
 logger = init_logger(__name__)
 IDLE_WAIT_MIN_S = 0.01
@@ -89,7 +93,8 @@ class _Prefill:
 
 class PrefillScheduler:
     def __init__(self, config: LayerKVConfig, compat: CompatInfo, tp_size: int,
-                 groups: list[KVGroupInfo], engine_id: str, idle_backoff: bool = False):
+                 groups: list[KVGroupInfo], engine_id: str, idle_backoff: bool = False
+                 ) -> None:
         """``idle_backoff``: throttle empty engine steps while P only waits for registrations
         (``LayerKVConfig.idle_backoff`` resolved for this instance's device)."""
         self._config = config
@@ -187,7 +192,7 @@ class PrefillScheduler:
             self._attach(p, early[0])
         return None
 
-    def build_meta(self, meta: LayerKVMetadata, scheduler_output: Any) -> None:
+    def build_meta(self, meta: LayerKVMetadata, scheduler_output: SchedulerOutput) -> None:
         self._wait_for_decode(scheduler_output)
         self._drain_incoming()
         self._expire()
@@ -197,7 +202,8 @@ class PrefillScheduler:
         meta.aborts += pending.aborts
         if not self._by_req:
             return
-        for req_id, computed, new_blocks, resumed, is_new in _scheduled(scheduler_output):
+        scheduled = scheduled_requests(scheduler_output)
+        for req_id, computed, new_blocks, resumed, is_new in scheduled:
             p = self._by_req.get(req_id)
             if p is None or p.finished:
                 continue
@@ -220,7 +226,7 @@ class PrefillScheduler:
 
     def request_finished(self, req_id: str, transfer_id: str, block_ids: list[list[int]],
                          complete: bool, first_token: int | None = None
-                         ) -> tuple[bool, dict[str, Any] | None]:
+                         ) -> tuple[bool, dict[str, str] | None]:
         """``first_token``: what the request sampled after its prompt; sent to a D that asked
         for it (``Register.wants_first_token``)."""
         self._first_seen.pop(req_id, None)
@@ -265,7 +271,7 @@ class PrefillScheduler:
             if p is not None:
                 self._forget(p)
 
-    def _wait_for_decode(self, scheduler_output: Any) -> None:
+    def _wait_for_decode(self, scheduler_output: SchedulerOutput) -> None:
         """Throttle empty engine steps while P only waits for registrations (IDLE_WAIT_MAX_S)."""
         deadline = self._next_deadline() if self._idle_backoff else None
         if scheduler_output.total_num_scheduled_tokens or deadline is None:
@@ -422,15 +428,3 @@ class PrefillScheduler:
         self._by_req.pop(p.req_id, None)
         self._by_tid.pop(p.transfer_id, None)
         self._gone[p.transfer_id] = time.monotonic()
-
-
-def _scheduled(so: Any):
-    """(req_id, num_computed_tokens before this step, new block ids or None, resumed, is_new)
-    for every request scheduled this step. A new request's block ids are its whole table."""
-    for r in so.scheduled_new_reqs:
-        yield r.req_id, r.num_computed_tokens, r.block_ids, False, True
-    cached = so.scheduled_cached_reqs
-    resumed = getattr(cached, "resumed_req_ids", set()) or set()
-    for i, req_id in enumerate(cached.req_ids):
-        yield (req_id, cached.num_computed_tokens[i], cached.new_block_ids[i],
-               req_id in resumed, False)

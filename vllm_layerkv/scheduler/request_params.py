@@ -16,7 +16,6 @@ saying what to change; the connector then serves the request locally and returns
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 MAX_TRANSFER_ID_LEN = 256
 
@@ -45,8 +44,9 @@ class DiscoverParams:
 Parsed = PrefillParams | DecodeParams | DiscoverParams | None
 
 
-def parse(params: Any) -> Parsed:
-    """The LayerKV role a request asks for, or None for a plain local request."""
+def parse(params: object) -> Parsed:
+    """The LayerKV role a request asks for, or None for a plain local request. ``params`` is
+    the request's ``kv_transfer_params`` as the client sent it: anything, checked here."""
     if params is None:
         return None
     if not isinstance(params, dict):

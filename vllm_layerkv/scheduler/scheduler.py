@@ -7,7 +7,7 @@ on any instance.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm_layerkv.common.log import init_logger
 from vllm_layerkv.compat import device_type, kv_groups, truncate_prompt
@@ -26,12 +26,21 @@ from vllm_layerkv.scheduler.request_params import (
     parse,
 )
 
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
 logger = init_logger(__name__)
 
 
 class LayerKVScheduler:
-    def __init__(self, vllm_config: Any, kv_cache_config: Any, config: LayerKVConfig,
-                 is_producer: bool, is_consumer: bool):
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
+                 config: LayerKVConfig, is_producer: bool, is_consumer: bool) -> None:
         self._config = config
         compat = compat_info(vllm_config, kv_cache_config)
         engine_id = str(vllm_config.kv_transfer_config.engine_id)
@@ -54,7 +63,7 @@ class LayerKVScheduler:
         self._errors: dict[str, str] = {}
 
     # ------------------------------------------------------------ request routing
-    def _params(self, request: Any) -> Parsed:
+    def _params(self, request: Request) -> Parsed:
         req_id = request.request_id
         if req_id in self._parsed:
             return self._parsed[req_id]
@@ -73,13 +82,13 @@ class LayerKVScheduler:
         self._parsed[req_id] = parsed
         return parsed
 
-    def on_new_request(self, request: Any) -> None:
+    def on_new_request(self, request: Request) -> None:
         """Mamba backoff, P side: before vLLM schedules anything, shorten a prefill request's
         prompt so that the state P sends is h(N-1) (kvgroups.prefill_backoff)."""
         if self._backoff and isinstance(self._params(request), PrefillParams):
             truncate_prompt(request, self._backoff)
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
         params = self._params(request)
         if isinstance(params, DecodeParams) and self._decode is not None:
@@ -89,8 +98,8 @@ class LayerKVScheduler:
                 return None, False  # vLLM skips the request this step and asks again
         return 0, False
 
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int
-                                 ) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
         params = self._params(request)
         if isinstance(params, DecodeParams) and self._decode is not None:
             self._decode.after_alloc(request, blocks, num_external_tokens, params)
@@ -101,7 +110,7 @@ class LayerKVScheduler:
                 self._errors[request.request_id] = err
                 self._parsed[request.request_id] = None
 
-    def build_connector_meta(self, scheduler_output: Any) -> LayerKVMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> LayerKVMetadata:
         meta = LayerKVMetadata(empty_step=scheduler_output.total_num_scheduled_tokens == 0)
         if self._prefill is not None:
             self._prefill.build_meta(meta, scheduler_output)
@@ -109,8 +118,9 @@ class LayerKVScheduler:
             self._decode.build_meta(meta, scheduler_output)
         return meta
 
-    def request_finished(self, request: Any, block_ids: tuple[list[int], ...]
+    def request_finished(self, request: Request, block_ids: tuple[list[int], ...]
                          ) -> tuple[bool, dict[str, Any] | None]:
+        """(hold the blocks, the response's ``kv_transfer_params``: JSON for the client)."""
         req_id = request.request_id
         params = self._parsed.pop(req_id, None)
         error = self._errors.pop(req_id, None)
@@ -130,7 +140,7 @@ class LayerKVScheduler:
             self._decode.request_finished(req_id)
         return False, None
 
-    def update_connector_output(self, output: Any) -> None:
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
         if self._prefill is not None and output.finished_sending:
             self._prefill.finished_sending(set(output.finished_sending))
         if self._decode is not None and output.finished_recving:
@@ -140,7 +150,8 @@ class LayerKVScheduler:
     def has_pending_push_work(self) -> bool:
         return self._prefill is not None and self._prefill.has_pending_work()
 
-    def set_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+    def set_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]
+                               ) -> None:
         if self._decode is None:
             return
         endpoints = []

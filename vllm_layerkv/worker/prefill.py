@@ -22,7 +22,7 @@ instance can have vLLM schedule the request while the last group is computed and
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from vllm_layerkv.common.log import init_logger
 from vllm_layerkv.common.trace import Tracer
@@ -33,10 +33,13 @@ from vllm_layerkv.stats import WorkerStats
 from vllm_layerkv.worker.grouping import plan_group_size, split_layers
 from vllm_layerkv.worker.sender import AbortTransfer, FinishTransfer, GroupSend, Sender
 
+if TYPE_CHECKING:
+    import torch
+
 logger = init_logger(__name__)
 
 
-def _new_event(device_type: str) -> Any:
+def _new_event(device_type: str) -> torch.cuda.Event | None:
     """A device event for one group (created in bind, recorded by the hook). None on CPU:
     CPU attention runs synchronously, the KV is in memory when the hook runs.
 
@@ -51,14 +54,14 @@ def _new_event(device_type: str) -> Any:
     return torch.cuda.Event(blocking=True)
 
 
-def _record(event: Any) -> None:
+def _record(event: torch.cuda.Event | None) -> None:
     if event is not None:
         event.record()  # on the current (compute) stream; the sender waits on it, not us
 
 
 class PrefillWorker:
     def __init__(self, config: LayerKVConfig, layout: KVLayout, sender: Sender, tracer: Tracer,
-                 stats: WorkerStats):
+                 stats: WorkerStats) -> None:
         self._config = config
         self._stats = stats
         self._layout = layout

@@ -26,13 +26,13 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from vllm_layerkv.common.log import init_logger
 from vllm_layerkv.common.threads import start_thread
 from vllm_layerkv.common.trace import Tracer
+from vllm_layerkv.config import LayerKVConfig
 from vllm_layerkv.kv import fused_copy, staging, tp
 from vllm_layerkv.kv.blockio import BlockIO
 from vllm_layerkv.metadata import Peer, SendTask
@@ -56,7 +56,7 @@ class GroupSend:
     group: int
     layers: list[int]
     tasks: list[SendTask]
-    event: Any = None
+    event: torch.cuda.Event | None = None
     """Device event recorded after the group's last layer (None on CPU)."""
     announces_end: bool = False
     """The step's penultimate group, in a step that ends some of ``tasks``: once it is sent,
@@ -135,39 +135,71 @@ class SenderState:
     changed: threading.Event = field(default_factory=threading.Event)
 
 
+@dataclass(frozen=True)
+class SenderParts:
+    """What a ``Sender`` works with: where it sends through, what it reads, what it tells
+    decode, where it reports."""
+
+    transport: Transport
+    blocks: BlockIO
+    hello: Hello
+    """This prefill rank's greeting to every decode rank; its ``tp_rank`` and ``tp_size`` are
+    the sender's own."""
+    stats: WorkerStats
+    tracer: Tracer
+    layer_groups: list[int] | None = None
+    """KV cache group of each layer index (all 0 if None)."""
+    final_only_groups: dict[int, str] | None = None
+    """Group -> kind for the groups that send once, at the end (sliding window, Mamba state),
+    traced as ``final_group_sent``."""
+
+
+@dataclass(frozen=True)
+class SenderTuning:
+    """How a ``Sender`` waits and buffers: ``LayerKVConfig``'s settings (``from_config``)."""
+
+    connect_timeout_s: float
+    io_timeout_s: float
+    tp_staging: bool = True
+    """How head slices go when the decode peer's TP differs (``LayerKVConfig.tp_staging``)."""
+    staging_bytes: int = 64 << 20
+    """One staging buffer, in bytes."""
+    staging_buffers: int = 2
+    writes_in_flight: int = 2
+    """Ring writes kept in flight (at most one per staging buffer)."""
+
+    @classmethod
+    def from_config(cls, config: LayerKVConfig) -> SenderTuning:
+        return cls(connect_timeout_s=config.connect_timeout_s,
+                   io_timeout_s=config.io_timeout_s, tp_staging=config.tp_staging,
+                   staging_bytes=config.staging_buffer_mb << 20,
+                   staging_buffers=config.staging_buffers,
+                   writes_in_flight=config.writes_in_flight)
+
+
 class Sender:
-    def __init__(self, transport: Transport, blocks: BlockIO, hello: Hello,
-                 tp_rank: int, connect_timeout: float, io_timeout: float, stats: WorkerStats,
-                 tracer: Tracer, layer_groups: list[int] | None = None,
-                 final_only_groups: dict[int, str] | None = None, tp_staging: bool = True,
-                 staging_bytes: int = 64 << 20, staging_buffers: int = 2,
-                 writes_in_flight: int = 2):
-        """``layer_groups``: KV cache group of each layer index (all 0 if None);
-        ``final_only_groups``: group -> kind for the groups that send once, at the end
-        (sliding window, Mamba state), traced as ``final_group_sent``. ``tp_staging`` and the
-        staging sizes: how head slices go when the decode peer's TP differs (config.py);
-        ``writes_in_flight``: ring writes kept in flight (at most one per staging buffer)."""
-        self._tp_staging = tp_staging
-        self._staging_shape = (staging_buffers, staging_bytes)
-        self._writes_in_flight = max(1, min(writes_in_flight, staging_buffers))
+    def __init__(self, parts: SenderParts, tuning: SenderTuning) -> None:
+        self._tp_staging = tuning.tp_staging
+        self._staging_shape = (tuning.staging_buffers, tuning.staging_bytes)
+        self._writes_in_flight = max(1, min(tuning.writes_in_flight, tuning.staging_buffers))
         self._staging: staging.StagingPool | None = None
         """Made at start-up with ``host_bounce``, else on the first head-slice send (equal TP
         over a GPU-direct path never pays for it)."""
         self._route_cache: dict[int, list[tp.Route]] = {}
-        self._layer_groups = layer_groups or [0] * blocks.num_layers
-        self._final_only_groups = dict(final_only_groups or {})
-        self._transport = transport
-        self._blocks = blocks
-        self._hello = hello
-        self._tp_rank = tp_rank
-        self._connect_timeout = connect_timeout
-        self._io_timeout = io_timeout
-        self._stats = stats
-        self._tracer = tracer
+        self._layer_groups = parts.layer_groups or [0] * parts.blocks.num_layers
+        self._final_only_groups = dict(parts.final_only_groups or {})
+        self._transport = parts.transport
+        self._blocks = parts.blocks
+        self._hello = parts.hello
+        self._tp_rank = parts.hello.tp_rank
+        self._connect_timeout = tuning.connect_timeout_s
+        self._io_timeout = tuning.io_timeout_s
+        self._stats = parts.stats
+        self._tracer = parts.tracer
         self.state = SenderState()
         self._queue: queue.SimpleQueue[WorkItem | None] = queue.SimpleQueue()
         self._channels: dict[str, SendChannel] = {}
-        if transport.host_bounce:
+        if self._transport.host_bounce:
             self._prepare_bounce()
         self._thread = start_thread(self._run, "layerkv-sender")
 

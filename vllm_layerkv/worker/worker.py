@@ -7,7 +7,7 @@ threads) on a consumer, both on ``kv_both``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,7 +24,11 @@ from vllm_layerkv.transport import Transport, create_transport
 from vllm_layerkv.wire.protocol import Hello
 from vllm_layerkv.worker.decode import DecodeWorker, early_release_applies
 from vllm_layerkv.worker.prefill import PrefillWorker
-from vllm_layerkv.worker.sender import Sender
+from vllm_layerkv.worker.sender import Sender, SenderParts, SenderTuning
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
 
 logger = init_logger(__name__)
 IDLE_WAIT_S = 0.002
@@ -42,8 +46,8 @@ IDLE_WAIT_S."""
 
 
 class LayerKVWorker:
-    def __init__(self, vllm_config: Any, kv_cache_config: Any, config: LayerKVConfig,
-                 is_producer: bool, is_consumer: bool):
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
+                 config: LayerKVConfig, is_producer: bool, is_consumer: bool) -> None:
         self._vllm_config = vllm_config
         self._kv_cache_config = kv_cache_config
         self._config = config
@@ -83,15 +87,12 @@ class LayerKVWorker:
         if self._is_producer:
             hello = Hello(compat=self._compat, engine_id=self._engine_id,
                           tp_rank=self._tp_rank, tp_size=self._tp_size)
-            self._sender = Sender(self._transport, blocks, hello, self._tp_rank,
-                                  self._config.connect_timeout_s, self._config.io_timeout_s,
-                                  self._stats, self._tracer, layout.layer_groups,
-                                  {i: g.kind for i, g in enumerate(groups)
-                                   if g.kind in ("sliding", "mamba")},
-                                  tp_staging=self._config.tp_staging,
-                                  staging_bytes=self._config.staging_buffer_mb << 20,
-                                  staging_buffers=self._config.staging_buffers,
-                                  writes_in_flight=self._config.writes_in_flight)
+            parts = SenderParts(
+                self._transport, blocks, hello, self._stats, self._tracer,
+                layer_groups=layout.layer_groups,
+                final_only_groups={i: g.kind for i, g in enumerate(groups)
+                                   if g.kind in ("sliding", "mamba")})
+            self._sender = Sender(parts, SenderTuning.from_config(self._config))
             self._prefill = PrefillWorker(self._config, layout, self._sender, self._tracer,
                                           self._stats)
         device = next(iter(kv_caches.values())).device.type
