@@ -102,13 +102,13 @@ class ScheduledRequest(NamedTuple):
 def scheduled_requests(scheduler_output: SchedulerOutput) -> Iterator[ScheduledRequest]:
     """Every request scheduled this step: the new ones, then those scheduled before.
 
-    vLLM 0.26, 0.32 and 0.33 list new requests in ``scheduled_new_reqs`` (``NewRequestData``)
-    and the others column-wise in ``scheduled_cached_reqs`` (``CachedRequestData``), whose
-    ``resumed_req_ids`` set marks the requests resumed after a preemption. That set is read
-    with a default: a scheduler output without it (older vLLM, test doubles) marks no request
-    resumed. With Model Runner V2 (``use_v2_model_runner``, 0.32+) vLLM
-    lists a resumed request among the new ones instead, with its whole new block table
-    (``is_new``): only the caller, which knows the request, can tell it apart."""
+    vLLM lists new requests in ``scheduled_new_reqs`` (``NewRequestData``) and the others
+    column-wise in ``scheduled_cached_reqs`` (``CachedRequestData``), whose
+    ``resumed_req_ids`` (a set in 0.32) marks the requests resumed after a preemption. It is
+    read with a default: a scheduler output without it (older vLLM, test doubles) marks no
+    request resumed. With Model Runner V2 (``use_v2_model_runner``) vLLM 0.32 lists a resumed
+    request among the new ones instead, with its whole new block table (``is_new``): only the
+    caller, which knows the request, can tell it apart."""
     for r in scheduler_output.scheduled_new_reqs:
         yield ScheduledRequest(r.req_id, r.num_computed_tokens, r.block_ids, False, True)
     cached = scheduler_output.scheduled_cached_reqs
