@@ -13,7 +13,8 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-TRANSPORTS = ("auto", "tcp", "cuda_ipc", "nixl", "mooncake")
+from vllm_layerkv.wire.planes import TRANSPORTS
+
 MOONCAKE_PROTOCOLS = ("tcp", "rdma")
 
 

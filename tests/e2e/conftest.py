@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from vllm_layerkv.testing.cluster import ClusterSpec, PDCluster, wait_idle
+from vllm_layerkv.testing.faults import ENV as FAULTS_ENV
 from vllm_layerkv.testing.models import model_path
 from vllm_layerkv.testing.servers import get_text
-from vllm_layerkv.transport.faults import ENV as FAULTS_ENV
 
 # Short robustness timeouts so the failure tests finish quickly (defaults: docs/configuration.md)
 PREFILL_EXTRA = {"registration_timeout_s": 6, "ack_timeout_s": 20}

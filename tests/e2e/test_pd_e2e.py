@@ -16,9 +16,9 @@ import pytest
 
 from prompts import PROMPTS, make_prompt
 
+from vllm_layerkv.testing import faults
 from vllm_layerkv.testing.cluster import MODEL_NAME, PDCluster, metric, wait_idle
 from vllm_layerkv.testing.servers import get_text, post_json
-from vllm_layerkv.transport import faults
 
 pytestmark = pytest.mark.e2e
 MAX_TOKENS = 24

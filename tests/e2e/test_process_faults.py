@@ -16,9 +16,9 @@ import pytest
 
 from prompts import make_prompt
 
+from vllm_layerkv.testing import faults
 from vllm_layerkv.testing.cluster import ClusterSpec, PDCluster, wait_idle
 from vllm_layerkv.testing.models import model_path
-from vllm_layerkv.transport import faults
 
 pytestmark = pytest.mark.e2e
 LONG_PROMPT = make_prompt(2800, 31)  # ~3,100 tokens: ~12 chunks of 256 on P

@@ -13,6 +13,7 @@ import msgspec
 import pytest
 
 from vllm_layerkv.wire import framing
+from vllm_layerkv.wire.planes import IpcTensor, KVExport, MooncakeExport, NixlExport
 from vllm_layerkv.wire.protocol import (
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
@@ -23,10 +24,6 @@ from vllm_layerkv.wire.protocol import (
     DirectWritten,
     Hello,
     HelloAck,
-    IpcTensor,
-    KVExport,
-    MooncakeExport,
-    NixlExport,
     ProtocolError,
     Refused,
     Register,

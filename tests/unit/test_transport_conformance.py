@@ -45,7 +45,7 @@ from kv_sides import (
 from vllm_layerkv.config import LayerKVConfig
 from vllm_layerkv.kv.blockio import block_runs
 from vllm_layerkv.metadata import Peer, RecvTask, SendTask
-from vllm_layerkv.transport import faults
+from vllm_layerkv.testing import faults
 from vllm_layerkv.transport.direct import AddressedPeer, DirectWriteFailed
 from vllm_layerkv.transport.nixl import MAX_COALESCED_RUNS
 from vllm_layerkv.worker.sender import AbortTransfer, FinishTransfer, GroupSend
@@ -307,7 +307,7 @@ def test_write_failure_on_p_fails_the_transfer_on_d_at_once(d_side, p_side,
                                                            monkeypatch) -> None:
     """A write that fails on P's side with the connection still up (a failed device copy; here
     the test-only fault hook) is aborted on D right away, and later groups are not sent."""
-    monkeypatch.setattr(faults, "ENABLED", True)
+    monkeypatch.setenv(faults.ENV, "1")
     d, p = d_side(), p_side()
     tid = faults.WRITE_FAULT_PREFIX + "1"
     d.table.expect(RecvTask("r", tid, [1, 2]))
@@ -745,7 +745,7 @@ def test_failure_after_early_release_is_a_load_error_of_the_step_that_runs_it(
         d_side, p_side, monkeypatch) -> None:
     """The last group's write fails after D reported the request: no request-level report
     (vLLM runs it already); its blocks are load errors of the step that runs it, not before."""
-    monkeypatch.setattr(faults, "ENABLED", True)
+    monkeypatch.setenv(faults.ENV, "1")
     d, p = d_side(), p_side()
     tid = faults.LATE_WRITE_FAULT_PREFIX + "1"
     dst = [20, 21]

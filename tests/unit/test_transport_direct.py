@@ -46,7 +46,8 @@ from vllm_layerkv.transport.cuda_ipc import MAX_RUN_COPIES, CudaIpcPlane, copy_b
 from vllm_layerkv.transport.direct import DirectUnavailable, PeerWriter, host_id, paired_runs
 from vllm_layerkv.transport.tcp import TcpTransport
 from vllm_layerkv.wire import framing
-from vllm_layerkv.wire.protocol import DirectWrite, Hello, HelloAck, KVExport, WriteGrant
+from vllm_layerkv.wire.planes import KVExport
+from vllm_layerkv.wire.protocol import DirectWrite, Hello, HelloAck, WriteGrant
 from vllm_layerkv.worker.receiver import RecvTable
 from vllm_layerkv.worker.sender import Sender, SenderParts, SenderTuning
 

@@ -12,7 +12,7 @@ from vllm_layerkv.kv.blockio import HostBlockIO
 from vllm_layerkv.kv.layout import KVLayout
 from vllm_layerkv.transport import nixl
 from vllm_layerkv.transport.direct import host_id
-from vllm_layerkv.wire.protocol import NixlExport
+from vllm_layerkv.wire.planes import NixlExport
 
 
 def export(mem_type: str = "VRAM", host: str | None = None, uuid: str = "GPU-a") -> NixlExport:

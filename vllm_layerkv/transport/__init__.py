@@ -3,16 +3,17 @@
 The embedded TCP transport (``tcp.py``) carries every control message and, unless a direct
 plane serves the peer, the KV bytes. Direct planes (``direct.py``) let P write into D's memory
 itself: CUDA IPC between GPUs of one host (``cuda_ipc.py``), NIXL (``nixl.py``), Mooncake
-(``mooncake.py``).
+(``mooncake.py``). The planes are registered in ``wire/planes.py``; ``create_transport``
+builds whichever the ``transport`` setting asks for from there.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
-from typing import TYPE_CHECKING
 
 from vllm_layerkv.common.log import init_logger
-from vllm_layerkv.config import TRANSPORTS
+from vllm_layerkv.config import LayerKVConfig
 from vllm_layerkv.kv.blockio import BlockIO
 from vllm_layerkv.transport.base import (
     ReceiveSink,
@@ -21,9 +22,8 @@ from vllm_layerkv.transport.base import (
     TransportError,
 )
 from vllm_layerkv.transport.direct import DirectPlane, DirectUnavailable
-
-if TYPE_CHECKING:
-    from vllm_layerkv.config import LayerKVConfig
+from vllm_layerkv.transport.tcp import RingShape, TcpTransport
+from vllm_layerkv.wire.planes import PLANES, PLANES_BY_NAME, TRANSPORTS, PlaneEntry
 
 logger = init_logger(__name__)
 
@@ -33,70 +33,66 @@ def create_transport(name: str, blocks: BlockIO, config: LayerKVConfig | None = 
     """The transport for setting ``transport``:
 
     * ``tcp``: bytes over TCP (zero-copy on CPU, a pinned staging buffer on GPU);
-    * ``cuda_ipc`` / ``nixl`` / ``mooncake``: that direct plane or nothing (a peer it cannot
-      reach fails the transfer with the reason);
-    * ``auto``: CUDA IPC for a same-host peer when the KV is on CUDA, else NIXL if it is
-      installed, else Mooncake if it is installed, else bytes over TCP. The choice and the
-      reason are logged here and again per peer when its channel opens.
+    * a plane's name (``cuda_ipc`` / ``nixl`` / ``mooncake``): that direct plane or nothing (a
+      peer it cannot reach fails the transfer with the reason);
+    * ``auto``: in the registry's order, every same-host plane the KV allows (CUDA IPC when
+      the KV is on CUDA), then the first network plane that starts (NIXL if it is installed,
+      else Mooncake if it is installed), then bytes over TCP. The choice and the reason are
+      logged here and again per peer when its channel opens.
     """
-    from vllm_layerkv.config import LayerKVConfig
-    from vllm_layerkv.transport.tcp import TcpTransport
-
     if name not in TRANSPORTS:
         raise TransportError(f"unknown transport {name!r}; use one of {list(TRANSPORTS)}")
     config = config or LayerKVConfig()
-    ring = {"ring_slots": config.recv_ring_slots,
-            "ring_slot_bytes": config.staging_buffer_mb << 20}
+    ring = RingShape(slots=config.recv_ring_slots, slot_bytes=config.staging_buffer_mb << 20)
     if name == "tcp":
-        return TcpTransport(**ring)
+        return TcpTransport(ring=ring)
     if name != "auto":
         try:
-            plane = _make_plane(name, blocks, config)
+            plane = _make_plane(PLANES_BY_NAME[name], blocks, config)
         except DirectUnavailable as e:
             raise TransportError(f"transport={name}: {e}; or use transport=auto / tcp") from None
-        return TcpTransport([plane], required=name, **ring)
+        return TcpTransport([plane], required=name, ring=ring)
 
     planes: list[DirectPlane] = []
     notes: list[str] = []
-    candidates = ["cuda_ipc"] if blocks.tensors[0].device.type == "cuda" else []
-    if not candidates:
-        notes.append("cuda_ipc: KV is in host memory")
-    for network in ("nixl", "mooncake"):  # one network plane is enough, NIXL first
-        try:
-            planes.append(_make_plane(network, blocks, config))
-            break
-        except Exception as e:  # noqa: BLE001 - auto never fails over an optional engine
-            notes.append(f"{network}: {e}")
-    for c in candidates:
-        planes.insert(0, _make_plane(c, blocks, config))
+    kv_device = blocks.tensors[0].device.type
+    usable: list[PlaneEntry] = []
+    for entry in PLANES:
+        if entry.kv_device and entry.kv_device != kv_device:
+            notes.append(f"{entry.name}: KV is in {_memory(kv_device)}")
+        else:
+            usable.append(entry)
+    for entry in usable:
+        if entry.reach == "host":
+            planes.append(_make_plane(entry, blocks, config))
+    for entry in usable:  # one network plane is enough, the first that starts
+        if entry.reach == "network":
+            try:
+                planes.append(_make_plane(entry, blocks, config))
+                break
+            except Exception as e:  # noqa: BLE001 - auto never fails over an optional engine
+                notes.append(f"{entry.name}: {e}")
     chosen = " > ".join([p.name for p in planes] + ["tcp"])
     logger.info("LayerKV transport=auto: %s (%s)", chosen,
                 "; ".join(notes) if notes else "every plane available")
-    return TcpTransport(planes, **ring)
+    return TcpTransport(planes, ring=ring)
 
 
-def _make_plane(name: str, blocks: BlockIO, config: LayerKVConfig) -> DirectPlane:
-    if name == "cuda_ipc":
-        if blocks.tensors[0].device.type != "cuda":
-            raise DirectUnavailable("needs the KV cache on a CUDA device, but this worker's KV "
-                                    "is in host memory")
-        from vllm_layerkv.transport.cuda_ipc import CudaIpcPlane
+def _make_plane(entry: PlaneEntry, blocks: BlockIO, config: LayerKVConfig) -> DirectPlane:
+    """Build the plane of a registry entry for this worker (raises DirectUnavailable)."""
+    kv_device = blocks.tensors[0].device.type
+    if entry.kv_device and entry.kv_device != kv_device:
+        raise DirectUnavailable(f"needs the KV cache on a {entry.kv_device.upper()} device, but "
+                                f"this worker's KV is in {_memory(kv_device)}")
+    module, _, cls = entry.plane.partition(":")
+    plane_class: type[DirectPlane] = getattr(importlib.import_module(module), cls)
+    plane_class.check_installed()  # the install hint before anything else
+    host_bounce = entry.host_bounce and _host_bounce(entry.name, blocks, config)
+    return plane_class.from_config(blocks.tensors, config, host_bounce)
 
-        return CudaIpcPlane(blocks.tensors)
-    if name == "nixl":
-        from vllm_layerkv.transport.nixl import NixlPlane, nixl_api
 
-        nixl_api()  # the install hint before anything else
-        return NixlPlane(blocks.tensors, backends=config.nixl_backends.split(","),
-                         io_timeout=config.io_timeout_s, num_threads=config.nixl_num_threads,
-                         host_bounce=_host_bounce(name, blocks, config))
-    if name == "mooncake":
-        from vllm_layerkv.transport.mooncake import MooncakePlane
-
-        return MooncakePlane(blocks.tensors, host=config.host, protocol=config.mooncake_protocol,
-                             device=config.mooncake_device,
-                             host_bounce=_host_bounce(name, blocks, config))
-    raise DirectUnavailable(f"no direct plane named {name!r}")
+def _memory(device_type: str) -> str:
+    return "host memory" if device_type == "cpu" else f"{device_type} memory"
 
 
 def host_bounce_for(plane: str, setting: str, kv_device: str, nixl_backends: str,
@@ -128,4 +124,4 @@ def _host_bounce(plane: str, blocks: BlockIO, config: LayerKVConfig) -> bool:
 
 
 __all__ = ["TRANSPORTS", "ReceiveSink", "SendChannel", "Transport", "TransportError",
-           "create_transport"]
+           "create_transport", "host_bounce_for"]

@@ -116,6 +116,15 @@ class SendChannel(ABC):
 class ReceiveSink(Protocol):
     """Decode-worker bookkeeping the receiving side of a transport reports to."""
 
+    @property
+    def tp_rank(self) -> int:
+        """This decode worker's TP rank (answered in ``HelloAck``)."""
+
+    @property
+    def tp_size(self) -> int:
+        """This decode worker's TP size: a sender with another one writes head slices, for
+        which a direct plane offers a receive ring."""
+
     def check_hello(self, hello: Hello) -> str | None:
         """None to accept a sender, else the refusal reason."""
 

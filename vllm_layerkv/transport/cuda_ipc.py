@@ -40,7 +40,8 @@ from vllm_layerkv.transport.direct import (
     host_id,
     paired_runs,
 )
-from vllm_layerkv.wire.protocol import DirectExport, Hello, IpcTensor, KVExport
+from vllm_layerkv.wire.planes import DirectExport, IpcTensor, KVExport
+from vllm_layerkv.wire.protocol import Hello
 
 logger = init_logger(__name__)
 MAX_RUN_COPIES = 8

@@ -36,17 +36,21 @@ from __future__ import annotations
 import socket
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 import torch
 
 from vllm_layerkv.common.log import init_logger
 from vllm_layerkv.kv.staging import RecvRing, StagingError, gather, slice_bytes
-from vllm_layerkv.wire.protocol import DirectExport, Hello
+from vllm_layerkv.wire.planes import DirectExport
+from vllm_layerkv.wire.protocol import Hello
+
+if TYPE_CHECKING:
+    from vllm_layerkv.config import LayerKVConfig
 
 logger = init_logger(__name__)
 
@@ -183,49 +187,80 @@ class PeerWriter(ABC):
         """Forget the peer (its channel closed)."""
 
 
-class AddressedPeer(PeerWriter):
-    """A peer reached by address (NIXL, Mooncake): D's export names each layer's base address,
-    so block ``b`` of layer ``l`` is at ``layer_addrs[l] + b * block_bytes`` on either side, and
-    (different TP) its receive ring's, so slot ``s`` is at ``ring_addr + s * ring_slot_bytes``.
-    The subclass moves bytes; this class checks the request, pairs blocks into runs and gathers
-    head slices."""
+class AddressedExport(Protocol):
+    """The export fields of a plane that reaches memory by address (``NixlExport``,
+    ``MooncakeExport``)."""
 
-    def __init__(self, plane: str, layer_addrs: Sequence[int], num_blocks: int,
-                 block_bytes: int, local: Sequence[torch.Tensor],
-                 register_staging: Callable[[torch.Tensor], None], ring_addr: int = 0,
-                 ring_slots: int = 0, ring_slot_bytes: int = 0, ring_in_host: bool = False,
-                 host_bounce: bool = False,
-                 host_staging: Callable[[torch.Tensor], torch.Tensor] | None = None):
-        if ring_slots and block_bytes != local[0].shape[1]:
+    layer_addrs: list[int]
+    num_blocks: int
+    block_bytes: int
+    ring_addr: int
+    ring_slots: int
+    ring_slot_bytes: int
+    ring_in_host: bool
+
+
+@dataclass(frozen=True)
+class RemoteKV:
+    """Where a decode rank's KV is, by address, as its export says: block ``b`` of layer ``l``
+    at ``layer_addrs[l] + b * block_bytes``; with a receive ring (different TP, or
+    ``host_bounce``), slot ``s`` at ``ring_addr + s * ring_slot_bytes``."""
+
+    layer_addrs: Sequence[int]
+    num_blocks: int
+    block_bytes: int
+    ring_addr: int = 0
+    ring_slots: int = 0
+    """0: decode offered no ring."""
+    ring_slot_bytes: int = 0
+    ring_in_host: bool = False
+    """The ring is in decode's (pinned) host memory."""
+
+    @classmethod
+    def of(cls, export: AddressedExport) -> RemoteKV:
+        return cls(layer_addrs=export.layer_addrs, num_blocks=export.num_blocks,
+                   block_bytes=export.block_bytes, ring_addr=export.ring_addr,
+                   ring_slots=export.ring_slots, ring_slot_bytes=export.ring_slot_bytes,
+                   ring_in_host=export.ring_in_host)
+
+
+class AddressedPeer(PeerWriter):
+    """A peer reached by address (NIXL, Mooncake), through ``plane``: both sides' blocks are
+    at a layer's base address plus ``block * block_bytes`` (``RemoteKV``). The subclass moves
+    bytes; this class checks the request, pairs blocks into runs and gathers head slices."""
+
+    def __init__(self, plane: AddressedPlane, remote: RemoteKV):
+        local = plane.local
+        if remote.ring_slots and remote.block_bytes != local[0].shape[1]:
             # TP differs: only head slices go, through the ring; the layer count must match
-            check_geometry(plane, len(layer_addrs), local[0].shape[1], local)
+            check_geometry(plane.name, len(remote.layer_addrs), local[0].shape[1], local)
         else:
-            check_geometry(plane, len(layer_addrs), block_bytes, local)
-        self.plane = plane
-        self.local = list(local)
-        self._register_staging = register_staging
-        """The plane's ``register_staging``: a staging buffer must be registered before the
-        engine may read it (once per buffer; the plane remembers)."""
-        self.remote_addrs = list(layer_addrs)
-        self.remote_blocks = num_blocks
+            check_geometry(plane.name, len(remote.layer_addrs), remote.block_bytes, local)
+        self.plane = plane.name
+        self.local = local
+        self._register_staging = plane.register_staging
+        """A staging buffer must be registered before the engine may read it (once per buffer;
+        the plane remembers)."""
+        self.remote_addrs = list(remote.layer_addrs)
+        self.remote_blocks = remote.num_blocks
         self.local_addrs = [t.data_ptr() for t in local]
         self.local_blocks = local[0].shape[0]
-        self.block_bytes = block_bytes
-        self.ring_addr = ring_addr
-        self.ring_slots = ring_slots
-        self.ring_slot_bytes = ring_slot_bytes
-        self.ring_in_host = ring_in_host
-        self.host_bounce = host_bounce and ring_slots > 0 and ring_in_host
-        if host_bounce and not self.host_bounce:
+        self.block_bytes = remote.block_bytes
+        self.ring_addr = remote.ring_addr
+        self.ring_slots = remote.ring_slots
+        self.ring_slot_bytes = remote.ring_slot_bytes
+        self.ring_in_host = remote.ring_in_host
+        self.host_bounce = plane.host_bounce and remote.ring_slots > 0 and remote.ring_in_host
+        if plane.host_bounce and not self.host_bounce:
             logger.warning("LayerKV %s: host_bounce is on here, but decode offered no receive "
                            "ring in host memory (is host_bounce on there?); writing KV memory "
-                           "directly", plane)
+                           "directly", plane.name)
         device = local[0].device
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         """Where head slices are gathered on a GPU (off vLLM's streams)."""
-        self._host_staging = host_staging
-        """The plane's ``host_staging``: ``host_bounce`` with KV on a GPU, a staging buffer's
-        registered pinned host twin, which the engine writes from."""
+        self._host_staging = plane.host_staging
+        """``host_bounce`` with KV on a GPU: a staging buffer's registered pinned host twin,
+        which the engine writes from."""
 
     def write(self, layers: Sequence[int], src_blocks: Sequence[int],
               dst_blocks: Sequence[int]) -> int:
@@ -262,7 +297,6 @@ class AddressedPeer(PeerWriter):
             return StagedWrite(0)
         source = staging
         if self.host_bounce and self._stream is not None:
-            assert self._host_staging is not None
             try:
                 source = self._host_staging(staging)
             except Exception as e:  # noqa: BLE001 - engines raise their own types
@@ -323,13 +357,28 @@ def layer_geometry(local: Sequence[torch.Tensor]) -> dict[str, object]:
 
 
 class DirectPlane(ABC):
-    """One worker's direct-write mechanism, both halves."""
+    """One worker's direct-write mechanism, both halves. Each plane is registered by name in
+    ``wire/planes.py``, which ``create_transport`` builds it from (``check_installed``, then
+    ``from_config``)."""
 
     name: str
 
     def __init__(self, local: Sequence[torch.Tensor]):
         self.local = list(local)
         """Per layer, this worker's KV as a ``[num_blocks, block_bytes]`` uint8 view."""
+
+    @classmethod
+    def check_installed(cls) -> None:
+        """Raise DirectUnavailable, naming what to install, when the engine this plane drives
+        cannot be imported; called before anything is set up for the plane."""
+
+    @classmethod
+    def from_config(cls, local: Sequence[torch.Tensor], config: LayerKVConfig,
+                    host_bounce: bool) -> DirectPlane:
+        """The plane for a worker with these settings and KV (``local``, as in ``__init__``);
+        ``host_bounce``: the setting, resolved for this plane (False unless its registry entry
+        takes it). Raises DirectUnavailable when the plane cannot run here."""
+        return cls(local)
 
     @abstractmethod
     def prepare(self) -> None:

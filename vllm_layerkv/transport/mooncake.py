@@ -19,8 +19,8 @@ not): P writes into D's KV with the Mooncake ``TransferEngine``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,10 +30,14 @@ from vllm_layerkv.transport.direct import (
     AddressedPlane,
     DirectUnavailable,
     DirectWriteFailed,
+    RemoteKV,
     layer_geometry,
     memory_regions,
 )
-from vllm_layerkv.wire.protocol import DirectExport, MooncakeExport
+from vllm_layerkv.wire.planes import DirectExport, MooncakeExport
+
+if TYPE_CHECKING:
+    from vllm_layerkv.config import LayerKVConfig
 
 logger = init_logger(__name__)
 INSTALL_HINT = ("install it with: pip install 'vllm-layerkv[mooncake]' (CUDA hosts) or "
@@ -47,25 +51,29 @@ about a second while holding the GIL (measured), which would stall the engine's 
 (or, in tests, every other thread) whenever the garbage collector got to one."""
 
 
-def transfer_engine() -> Any:
-    """A new ``mooncake.engine.TransferEngine``, or DirectUnavailable naming what to install."""
+def engine_class() -> Any:
+    """``mooncake.engine.TransferEngine``, or DirectUnavailable naming what to install."""
     try:
         from mooncake.engine import TransferEngine
     except ImportError as e:
         raise DirectUnavailable(f"Mooncake is not usable ({e}); {INSTALL_HINT}") from None
-    engine = TransferEngine()
+    return TransferEngine
+
+
+def transfer_engine() -> Any:
+    """A new ``mooncake.engine.TransferEngine``, or DirectUnavailable naming what to install."""
+    transfer_engine_class = engine_class()
+    engine = transfer_engine_class()
     _ENGINES.append(engine)
     return engine
 
 
 class MooncakePeer(AddressedPeer):
-    def __init__(self, engine: Any, export: MooncakeExport, local: Sequence[torch.Tensor],
-                 register_staging: Callable[[torch.Tensor], None], host_bounce: bool = False,
-                 host_staging: Callable[[torch.Tensor], torch.Tensor] | None = None):
-        super().__init__("mooncake", export.layer_addrs, export.num_blocks, export.block_bytes,
-                         local, register_staging, export.ring_addr, export.ring_slots,
-                         export.ring_slot_bytes, export.ring_in_host, host_bounce, host_staging)
-        self._engine = engine
+    """P side: one decode rank's KV, reached through this worker's transfer engine."""
+
+    def __init__(self, plane: MooncakePlane, export: MooncakeExport):
+        super().__init__(plane, RemoteKV.of(export))
+        self._engine = plane.engine
         self._session = export.session
         self.description = (f"Mooncake {export.protocol}, segment {export.session}"
                             + (", through pinned host memory (host_bounce)"
@@ -98,21 +106,32 @@ class MooncakePlane(AddressedPlane):
                  device: str = "", host_bounce: bool = False):
         super().__init__(local, host_bounce)
         self._protocol = protocol
-        self._engine = transfer_engine()
-        rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device)
+        self.engine = transfer_engine()
+        """This worker's engine, shared by its peers."""
+        rc = self.engine.initialize(host, "P2PHANDSHAKE", protocol, device)
         if rc != 0:
             raise DirectUnavailable(
                 f"mooncake: TransferEngine.initialize({host!r}, P2PHANDSHAKE, {protocol!r}, "
                 f"{device!r}) failed (rc={rc}); check host / mooncake_protocol / "
                 "mooncake_device")
-        self._session = f"{host}:{self._engine.get_rpc_port()}"
+        self._session = f"{host}:{self.engine.get_rpc_port()}"
         self._registered: list[int] = []
         for addr, size in memory_regions(self.local):
-            if self._engine.register_memory(addr, size) != 0:
+            if self.engine.register_memory(addr, size) != 0:
                 self.shutdown()
                 raise DirectUnavailable("mooncake: cannot register the KV cache with the "
                                         "transfer engine (see the engine's log)")
             self._registered.append(addr)
+
+    @classmethod
+    def check_installed(cls) -> None:
+        engine_class()
+
+    @classmethod
+    def from_config(cls, local: Sequence[torch.Tensor], config: LayerKVConfig,
+                    host_bounce: bool) -> MooncakePlane:
+        return cls(local, host=config.host, protocol=config.mooncake_protocol,
+                   device=config.mooncake_device, host_bounce=host_bounce)
 
     def prepare(self) -> None:
         self._export = MooncakeExport(session=self._session, protocol=self._protocol,
@@ -120,14 +139,13 @@ class MooncakePlane(AddressedPlane):
 
     def attach(self, export: DirectExport) -> MooncakePeer:
         assert isinstance(export, MooncakeExport)
-        return MooncakePeer(self._engine, export, self.local, self.register_staging,
-                            self.host_bounce, self.host_staging)
+        return MooncakePeer(self, export)
 
     def register(self, t: torch.Tensor) -> None:
         addr = t.data_ptr()
         if addr in self._registered:
             return
-        if self._engine.register_memory(addr, t.numel() * t.element_size()) != 0:
+        if self.engine.register_memory(addr, t.numel() * t.element_size()) != 0:
             raise DirectUnavailable(f"mooncake: cannot register {t.numel()} B at {addr:#x} "
                                     "with the transfer engine (see the engine's log)")
         self._registered.append(addr)
@@ -135,7 +153,7 @@ class MooncakePlane(AddressedPlane):
     def shutdown(self) -> None:
         for ptr in self._registered:
             try:
-                self._engine.unregister_memory(ptr)
+                self.engine.unregister_memory(ptr)
             except Exception:  # noqa: BLE001 - best effort at exit
                 pass
         self._registered.clear()

@@ -34,8 +34,8 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
@@ -49,12 +49,16 @@ from vllm_layerkv.transport.direct import (
     AddressedPlane,
     DirectUnavailable,
     DirectWriteFailed,
+    RemoteKV,
     device_uuid,
     host_id,
     layer_geometry,
     memory_regions,
 )
-from vllm_layerkv.wire.protocol import DirectExport, NixlExport
+from vllm_layerkv.wire.planes import DirectExport, NixlExport
+
+if TYPE_CHECKING:
+    from vllm_layerkv.config import LayerKVConfig
 
 logger = init_logger(__name__)
 MAX_COALESCED_RUNS = 16
@@ -150,26 +154,21 @@ def _mem(local: Sequence[torch.Tensor]) -> tuple[str, int]:
 class NixlPeer(AddressedPeer):
     """P side: one decode rank's KV, reached through this worker's NIXL agent."""
 
-    def __init__(self, agent: Any, export: NixlExport, local: Sequence[torch.Tensor],
-                 io_timeout: float, register_staging: Callable[[torch.Tensor], None],
-                 host_bounce: bool = False,
-                 host_staging: Callable[[torch.Tensor], torch.Tensor] | None = None):
-        super().__init__("nixl", export.layer_addrs, export.num_blocks, export.block_bytes,
-                         local, register_staging, export.ring_addr, export.ring_slots,
-                         export.ring_slot_bytes, export.ring_in_host, host_bounce, host_staging)
-        self._agent = agent
+    def __init__(self, plane: NixlPlane, export: NixlExport):
+        super().__init__(plane, RemoteKV.of(export))
+        self._agent = plane.agent
         self._export = export
-        self._mem, self._dev = _mem(local)
-        self._io_timeout = io_timeout
+        self._mem, self._dev = _mem(self.local)
+        self._io_timeout = plane.io_timeout
         try:
-            remote = agent.add_remote_agent(export.agent_metadata)
+            remote = self._agent.add_remote_agent(export.agent_metadata)
         except Exception as e:  # noqa: BLE001 - nixl raises its own exception types
             raise DirectUnavailable(f"nixl: cannot load decode's agent metadata: {e}") from None
         self._remote = remote.decode() if isinstance(remote, bytes) else str(remote)
         self._prepped: tuple[Any, Any] | None = None
         self._hint = ""
         """Added to a failed WRITE's reason: what to change."""
-        if not host_bounce and shares_gpu(export, local[0].device):
+        if not plane.host_bounce and shares_gpu(export, self.local[0].device):
             self._hint = f"; {ONE_GPU_HINT}"
             logger.warning("LayerKV nixl: writing into decode agent %s on this GPU: %s",
                            self._remote, ONE_GPU_HINT)
@@ -311,21 +310,34 @@ class NixlPlane(AddressedPlane):
     def __init__(self, local: Sequence[torch.Tensor], backends: Sequence[str] = ("UCX",),
                  io_timeout: float = 60.0, num_threads: int = 0, host_bounce: bool = False):
         super().__init__(local, host_bounce)
-        self._io_timeout = io_timeout
-        self._agent = _new_agent(f"layerkv-{uuid.uuid4().hex[:12]}", backends, num_threads)
+        self.io_timeout = io_timeout
+        """A WRITE that does not complete within it fails."""
+        self.agent = _new_agent(f"layerkv-{uuid.uuid4().hex[:12]}", backends, num_threads)
+        """This worker's NIXL agent, shared by its peers."""
         self._mem, self._dev = _mem(self.local)
         regions = [(addr, size, self._dev, "") for addr, size in memory_regions(self.local)]
         try:
-            self._reg = self._agent.register_memory(regions, self._mem)
+            self._reg = self.agent.register_memory(regions, self._mem)
         except Exception as e:  # noqa: BLE001
             raise DirectUnavailable(f"nixl: cannot register the KV cache: {e}") from None
         self._extra_regs: dict[tuple[int, int], Any] = {}
         """(address, bytes) -> registration: P's staging buffers, D's receive ring."""
 
+    @classmethod
+    def check_installed(cls) -> None:
+        nixl_api()
+
+    @classmethod
+    def from_config(cls, local: Sequence[torch.Tensor], config: LayerKVConfig,
+                    host_bounce: bool) -> NixlPlane:
+        return cls(local, backends=config.nixl_backends.split(","),
+                   io_timeout=config.io_timeout_s, num_threads=config.nixl_num_threads,
+                   host_bounce=host_bounce)
+
     def prepare(self) -> None:
         device = self.local[0].device
         self._export = NixlExport(
-            agent_name=self._agent.name, agent_metadata=self._agent.get_agent_metadata(),
+            agent_name=self.agent.name, agent_metadata=self.agent.get_agent_metadata(),
             mem_type=self._mem, device_id=self._dev, **layer_geometry(self.local),
             host_id=host_id(), device_uuid=device_uuid(device) if device.type == "cuda" else "")
 
@@ -333,24 +345,23 @@ class NixlPlane(AddressedPlane):
         """With the ring, and agent metadata taken after its registration (a NIXL agent's
         metadata names its registered memory; P loads it to reach the ring)."""
         export = super().ring_export(ring)
-        return msgspec.structs.replace(export, agent_metadata=self._agent.get_agent_metadata())
+        return msgspec.structs.replace(export, agent_metadata=self.agent.get_agent_metadata())
 
     def attach(self, export: DirectExport) -> NixlPeer:
         assert isinstance(export, NixlExport)
-        return NixlPeer(self._agent, export, self.local, self._io_timeout,
-                        self.register_staging, self.host_bounce, self.host_staging)
+        return NixlPeer(self, export)
 
     def register(self, t: torch.Tensor) -> None:
         key = (t.data_ptr(), t.numel() * t.element_size())
         if key not in self._extra_regs:
             mem, dev = _mem([t])  # host_bounce buffers and rings are DRAM next to VRAM KV
-            self._extra_regs[key] = self._agent.register_memory([(key[0], key[1], dev, "")],
-                                                                mem)
+            self._extra_regs[key] = self.agent.register_memory([(key[0], key[1], dev, "")],
+                                                               mem)
 
     def shutdown(self) -> None:
         for reg in [self._reg, *self._extra_regs.values()]:
             try:
-                self._agent.deregister_memory(reg)
+                self.agent.deregister_memory(reg)
             except Exception:  # noqa: BLE001 - best effort at exit
                 pass
         self._extra_regs.clear()

@@ -20,16 +20,19 @@ required (``transport`` named it), in which case the transfer fails with every p
 
 Threads: D runs one accept thread and one reader thread per connection; P runs one ack-reader
 thread per connection (the sender thread writes). P's end of a connection is
-``tcp_channel.TcpSendChannel``; this module opens it, and serves D's end.
+``tcp_channel.TcpSendChannel``; this module opens it, and serves D's end. Each end has a hook
+(``hooks.py``), which does nothing unless the process's environment installs the test hook.
 """
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import msgspec
 import torch
@@ -39,7 +42,6 @@ from vllm_layerkv.common.threads import start_thread
 from vllm_layerkv.kv import fused_copy
 from vllm_layerkv.kv.blockio import BlockIO
 from vllm_layerkv.kv.staging import RecvRing, StagingError, scatter
-from vllm_layerkv.transport import faults
 from vllm_layerkv.transport.base import (
     ReceiveSink,
     SendChannel,
@@ -52,7 +54,8 @@ from vllm_layerkv.transport.direct import (
     PeerWriter,
     host_id,
 )
-from vllm_layerkv.transport.tcp_channel import TcpSendChannel
+from vllm_layerkv.transport.hooks import TEST_HOOK_ENV, ConnectionHook
+from vllm_layerkv.transport.tcp_channel import TcpSendChannel, WritePath
 from vllm_layerkv.wire import framing
 from vllm_layerkv.wire.protocol import (
     BlockData,
@@ -83,14 +86,35 @@ def _scatter_stream(device: torch.device) -> torch.cuda.Stream:
     return _SCATTER_STREAMS[index]
 
 
+def connection_hooks() -> Callable[[], ConnectionHook]:
+    """What makes each connection end's hook (``hooks.py``): the test hook when the environment
+    asks for it (``TEST_HOOK_ENV``), else the default, which does nothing."""
+    if os.environ.get(TEST_HOOK_ENV) != "1":
+        return ConnectionHook
+    from vllm_layerkv.testing.faults import FaultHook
+
+    return FaultHook
+
+
+@dataclass(frozen=True)
+class RingShape:
+    """D's receive rings, each made on first need (``recv_ring_slots`` x
+    ``staging_buffer_mb``)."""
+
+    slots: int = 4
+    slot_bytes: int = 64 << 20
+
+
 class TcpTransport(Transport):
     def __init__(self, planes: Sequence[DirectPlane] = (), required: str = "",
-                 ring_slots: int = 4, ring_slot_bytes: int = 64 << 20) -> None:
+                 ring: RingShape = RingShape()) -> None:
         self._planes = list(planes)
         """Direct-write planes this worker can use, in order of preference."""
         self._required = required
         """The ``transport`` setting when it named a plane: no falling back to bytes."""
-        self._ring_shape = (ring_slots, ring_slot_bytes)
+        self._ring_shape = ring
+        self._new_hook = connection_hooks()
+        """Makes each connection end's hook; chosen once, here."""
         self._ring: RecvRing | None = None
         """D: where direct planes put head slices (mismatched TP); made on first need."""
         self._host_ring: RecvRing | None = None
@@ -130,15 +154,14 @@ class TcpTransport(Transport):
         if not isinstance(reply, HelloAck):
             sock.close()
             raise TransportError(f"decode {endpoint} answered {type(reply).__name__} to Hello")
-        refusal = ""
         try:
-            writer = self._attach(endpoint, reply)
+            path = WritePath(self._attach(endpoint, reply), self._required)
         except TransportError as e:
-            writer, refusal = None, str(e)
-            logger.error("LayerKV: %s", refusal)
+            path = WritePath(None, self._required, refusal=str(e))
+            logger.error("LayerKV: %s", path.refusal)
         sock.settimeout(io_timeout)  # a D that stops reading fails the send, not hangs it
-        return TcpSendChannel(sock, endpoint, blocks, on_ack, on_lost, writer, io_timeout,
-                              self._required, refusal)
+        return TcpSendChannel(sock, endpoint, blocks, on_ack, on_lost, path, io_timeout,
+                              self._new_hook())
 
     def _attach(self, endpoint: str, reply: HelloAck) -> PeerWriter | None:
         """The first plane, in this worker's order, that reaches D's KV; None to send bytes."""
@@ -226,6 +249,7 @@ class TcpTransport(Transport):
         with the time by which one must be free."""
         rings: dict[str, RecvRing] = {}
         """plane name -> the receive ring offered to this sender with it."""
+        hook = self._new_hook()
         try:
             first = framing.recv_message(conn)
             if not isinstance(first, Hello):
@@ -236,7 +260,7 @@ class TcpTransport(Transport):
                 framing.send_message(conn, Refused(transfer_id="", reason=refusal))
                 return
             hello = first
-            tp_differs = first.tp_size != getattr(sink, "tp_size", first.tp_size)
+            tp_differs = first.tp_size != sink.tp_size
             exports = []
             for plane in self._planes:
                 if plane.name not in first.direct:
@@ -248,8 +272,7 @@ class TcpTransport(Transport):
                 exports.append(export)
                 if ring is not None and getattr(export, "ring_slots", 0):
                     rings[plane.name] = ring
-            framing.send_message(conn, HelloAck(tp_rank=getattr(sink, "tp_rank", 0),
-                                                exports=exports))
+            framing.send_message(conn, HelloAck(tp_rank=sink.tp_rank, exports=exports))
             while not self._stop.is_set():
                 # Idle between transfers is fine; once a message starts, io_timeout applies.
                 # A ring write waiting for a slot is retried between messages: the thread
@@ -287,7 +310,7 @@ class TcpTransport(Transport):
                 elif isinstance(msg, TransferDone):
                     ack = sink.on_done(msg.transfer_id, msg.tp_rank, hello.tp_size, msg.frames,
                                        msg.nbytes)
-                    if ack is not None and not faults.ack_dropped(msg.transfer_id):
+                    if ack is not None and hook.sends(ack):
                         framing.send_message(conn, ack)
                 elif isinstance(msg, TransferNearlyDone):
                     sink.on_nearly_done(msg.transfer_id, msg.tp_rank, msg.eta_s)
@@ -331,7 +354,7 @@ class TcpTransport(Transport):
         the KV there). Engine rings in host memory run only when an engine is named: in CI's
         2-core vLLM runs they stalled at times, unexplained (docs/architecture.md, "What is NOT
         in this version")."""
-        if getattr(plane, "host_bounce", False):
+        if plane.host_bounce:
             return self._bounce_ring(blocks)
         if not tp_differs:
             return None
@@ -339,10 +362,10 @@ class TcpTransport(Transport):
             return None
         with self._lock:
             if self._ring is None:
-                slots, slot_bytes = self._ring_shape
-                self._ring = RecvRing(slots, slot_bytes, blocks.tensors[0].device)
+                shape = self._ring_shape
+                self._ring = RecvRing(shape.slots, shape.slot_bytes, blocks.tensors[0].device)
                 logger.info("LayerKV: receive ring for head slices, %d slots x %d MiB",
-                            slots, slot_bytes >> 20)
+                            shape.slots, shape.slot_bytes >> 20)
             return self._ring
 
     def _prepare_bounce(self, blocks: BlockIO) -> None:
@@ -373,11 +396,11 @@ class TcpTransport(Transport):
         """The ring in host memory (pinned when the KV is on a GPU) for ``host_bounce``."""
         with self._lock:
             if self._host_ring is None:
-                slots, slot_bytes = self._ring_shape
-                self._host_ring = RecvRing(slots, slot_bytes, "cpu",
+                shape = self._ring_shape
+                self._host_ring = RecvRing(shape.slots, shape.slot_bytes, "cpu",
                                            pin_memory=blocks.tensors[0].device.type == "cuda")
                 logger.info("LayerKV: receive ring in host memory for host_bounce, %d slots x "
-                            "%d MiB", slots, slot_bytes >> 20)
+                            "%d MiB", shape.slots, shape.slot_bytes >> 20)
             return self._host_ring
 
     @staticmethod

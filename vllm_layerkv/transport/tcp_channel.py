@@ -16,15 +16,16 @@ import queue
 import socket
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from vllm_layerkv.common.log import init_logger
 from vllm_layerkv.common.threads import start_thread
 from vllm_layerkv.kv.blockio import BlockIO
-from vllm_layerkv.transport import faults
 from vllm_layerkv.transport.base import PendingWrite, SendChannel, TransportError
 from vllm_layerkv.transport.direct import DirectWriteFailed, PeerWriter
+from vllm_layerkv.transport.hooks import ConnectionHook
 from vllm_layerkv.wire import framing
 from vllm_layerkv.wire.protocol import (
     BlockData,
@@ -44,30 +45,40 @@ GRANT_PATIENCE_S = 0.002
 the oldest of them (D may be waiting for that one to free a slot)."""
 
 
+@dataclass(frozen=True)
+class WritePath:
+    """How a channel's writes reach D's memory, as settled when it opened: bytes on the
+    connection, or a direct plane's writer."""
+
+    writer: PeerWriter | None = None
+    """Set when P writes into D's memory itself (a direct plane) instead of sending bytes."""
+    required: str = ""
+    """The ``transport`` setting when it named a plane (head slices may not fall back)."""
+    refusal: str = ""
+    """Why no write can go to this decode (the required plane cannot reach it). The
+    connection stays up so that each transfer fails at once and D is told, rather than D
+    waiting out kv_wait_timeout_s for a channel that was never opened."""
+
+
 class TcpSendChannel(SendChannel):
     def __init__(self, sock: socket.socket, endpoint: str, blocks: BlockIO,
                  on_ack: Callable[[TransferAck], None], on_lost: Callable[[str], None],
-                 writer: PeerWriter | None = None, io_timeout: float = 60.0,
-                 required: str = "", refusal: str = ""):
+                 path: WritePath, io_timeout: float, hook: ConnectionHook):
         self._sock = sock
         self._endpoint = endpoint
         self._blocks = blocks
         self._on_ack = on_ack
         self._on_lost = on_lost
         self._alive = True
-        self._writer = writer
-        """Set when P writes into D's memory itself (a direct plane) instead of sending bytes."""
+        self._writer = path.writer
         self._io_timeout = io_timeout
-        self._required = required
-        """The ``transport`` setting when it named a plane (head slices may not fall back)."""
-        self._refusal = refusal
-        """Why no write can go to this decode (the forced plane cannot reach it). The
-        connection stays up so that each transfer fails at once and D is told, rather than
-        D waiting out kv_wait_timeout_s for a channel that was never opened."""
+        self._required = path.required
+        self._refusal = path.refusal
+        self._hook = hook
+        """This end's hook points (``hooks.py``): before each write, before each per-transfer
+        message."""
         self._grants: queue.SimpleQueue[WriteGrant | None] = queue.SimpleQueue()
         self._seq = 0
-        self._late_faults: set[str] = set()
-        """Test faults (faults.py): transfers whose writes fail from now on."""
         self._reader = start_thread(self._read_acks, f"layerkv-acks-{endpoint}")
 
     @property
@@ -105,10 +116,7 @@ class TcpSendChannel(SendChannel):
     def _check_writable(self, transfer_id: str) -> None:
         if self._refusal:
             raise TransportError(self._refusal)
-        if transfer_id in self._late_faults:
-            time.sleep(faults.LATE_FAULT_DELAY_S)
-        if faults.write_fails(transfer_id) or transfer_id in self._late_faults:
-            raise TransportError(f"injected write fault for {transfer_id} ({faults.ENV})")
+        self._hook.before_write(transfer_id)
 
     def _write_direct(self, transfer_id: str, layers: Sequence[int], src_blocks: Sequence[int],
                       dst_blocks: Sequence[int]) -> int:
@@ -258,19 +266,15 @@ class TcpSendChannel(SendChannel):
                 pass
 
     def send_nearly_done(self, transfer_id: str, tp_rank: int, eta_s: float) -> None:
-        self._send(TransferNearlyDone(transfer_id=transfer_id, tp_rank=tp_rank,
-                                      eta_s=max(0.0, eta_s)))
-        if faults.late_write_fails(transfer_id):
-            self._late_faults.add(transfer_id)
+        self._send_transfer_message(TransferNearlyDone(transfer_id=transfer_id, tp_rank=tp_rank,
+                                                       eta_s=max(0.0, eta_s)))
 
     def send_done(self, transfer_id: str, tp_rank: int, frames: int, nbytes: int) -> None:
-        self._late_faults.discard(transfer_id)
-        self._send(TransferDone(transfer_id=transfer_id, tp_rank=tp_rank, frames=frames,
-                                nbytes=nbytes))
+        self._send_transfer_message(TransferDone(transfer_id=transfer_id, tp_rank=tp_rank,
+                                                 frames=frames, nbytes=nbytes))
 
     def send_abort(self, transfer_id: str, reason: str) -> None:
-        self._late_faults.discard(transfer_id)
-        self._send(TransferAbort(transfer_id=transfer_id, reason=reason))
+        self._send_transfer_message(TransferAbort(transfer_id=transfer_id, reason=reason))
 
     def close(self) -> None:
         self._alive = False
@@ -281,6 +285,11 @@ class TcpSendChannel(SendChannel):
         except OSError:
             pass
         self._sock.close()
+
+    def _send_transfer_message(self, msg: TransferNearlyDone | TransferDone | TransferAbort
+                               ) -> None:
+        if self._hook.sends(msg):
+            self._send(msg)
 
     def _send(self, msg: TransferNearlyDone | TransferDone | TransferAbort | DirectWrite
               | DirectWritten) -> None:

@@ -11,10 +11,10 @@ Two channels use it:
   scheduling the request before the last bytes land (``early_release``).
   When P can write into D's memory itself (``Hello.direct`` lists how: CUDA IPC on one host,
   NIXL, Mooncake), ``HelloAck.exports`` carries what P needs for each (``KVExport`` IPC
-  handles, ``NixlExport`` agent metadata, ``MooncakeExport`` session) and P moves blocks
-  itself: each write is bracketed by ``DirectWrite`` (P asks) / ``WriteGrant`` (D allows) /
-  ``DirectWritten`` (P is done), so D's bookkeeping guards its blocks exactly as it does for
-  bytes it receives.
+  handles, ``NixlExport`` agent metadata, ``MooncakeExport`` session: the planes and their
+  exports are registered in ``planes.py``) and P moves blocks itself: each write is bracketed
+  by ``DirectWrite`` (P asks) / ``WriteGrant`` (D allows) / ``DirectWritten`` (P is done), so
+  D's bookkeeping guards its blocks exactly as it does for bytes it receives.
 
 Framing: a 4-byte big-endian length, then the msgpack-encoded message (a tagged union, so the
 receiver decodes without knowing the type). ``BlockData`` is followed by ``nbytes`` of payload.
@@ -30,6 +30,8 @@ import struct
 from typing import Union
 
 import msgspec
+
+from vllm_layerkv.wire.planes import PlaneExports
 
 PROTOCOL_VERSION = 8
 FRAME_HEADER = struct.Struct("!I")
@@ -161,86 +163,11 @@ class Hello(msgspec.Struct, tag=True, kw_only=True):
     "mooncake"); empty: P only sends bytes."""
 
 
-class IpcTensor(msgspec.Struct, kw_only=True):
-    """One layer's KV as a CUDA IPC memory handle (what torch's ``_share_cuda_`` returns)."""
-
-    handle: bytes
-    storage_size: int
-    storage_offset: int
-    """Bytes from the IPC allocation's base to the storage."""
-    tensor_offset: int
-    """Bytes from the storage to the layer's first block."""
-    ref_counter_handle: bytes
-    ref_counter_offset: int
-    event_handle: bytes
-    event_sync_required: bool
-
-
-class KVExport(msgspec.Struct, tag="cuda_ipc", kw_only=True):
-    """D's KV cache, mappable by a process on the same host (``transport/cuda_ipc.py``)."""
-
-    host_id: str
-    device_uuid: str
-    num_blocks: int
-    block_bytes: int
-    layers: list[IpcTensor]
-    ring: IpcTensor | None = None
-    """D's receive ring for head slices (offered to a sender with another TP size)."""
-    ring_slots: int = 0
-    ring_slot_bytes: int = 0
-
-
-class NixlExport(msgspec.Struct, tag="nixl", kw_only=True):
-    """D's KV registered with a NIXL agent (``transport/nixl.py``): P adds the agent from its
-    metadata and posts WRITEs to ``layer_addrs[layer] + block * block_bytes``."""
-
-    agent_name: str
-    agent_metadata: bytes
-    mem_type: str
-    """"DRAM" or "VRAM"."""
-    device_id: int
-    num_blocks: int
-    block_bytes: int
-    layer_addrs: list[int]
-    ring_addr: int = 0
-    """D's receive ring, registered with the agent (offered to a sender with another TP size,
-    or to every sender with ``host_bounce``; ``agent_metadata`` then covers it): slot ``s`` is
-    at ``ring_addr + s * ring_slot_bytes``."""
-    ring_slots: int = 0
-    ring_slot_bytes: int = 0
-    ring_in_host: bool = False
-    """The ring is in D's (pinned) host memory: ``host_bounce`` is on for D, and P may send
-    whole blocks through it too."""
-    host_id: str = ""
-    device_uuid: str = ""
-    """D's host and, for VRAM, its GPU: P tells when they are its own, because UCX's
-    cuda_ipc cannot copy between two processes on one GPU."""
-
-
-class MooncakeExport(msgspec.Struct, tag="mooncake", kw_only=True):
-    """D's KV registered with a Mooncake TransferEngine (``transport/mooncake.py``)."""
-
-    session: str
-    """host:rpc_port of D's engine (P2P handshake, no metadata server)."""
-    protocol: str
-    num_blocks: int
-    block_bytes: int
-    layer_addrs: list[int]
-    ring_addr: int = 0
-    """D's receive ring, registered with the engine (as in ``NixlExport``)."""
-    ring_slots: int = 0
-    ring_slot_bytes: int = 0
-    ring_in_host: bool = False
-
-
-DirectExport = Union[KVExport, NixlExport, MooncakeExport]
-
-
 class HelloAck(msgspec.Struct, tag=True, kw_only=True):
     tp_rank: int
-    exports: list[DirectExport] = []
+    exports: list[PlaneExports] = []
     """How P may write into D's KV itself, for the planes P listed that D offers to it; empty:
-    send bytes."""
+    send bytes. Each is its plane's export struct (``planes.py``)."""
 
 
 class BlockData(msgspec.Struct, tag=True, kw_only=True):
