@@ -31,6 +31,12 @@ class LayerKVConfig:
     registration_port: int = 0
     """P only: TCP port of the registration listener in the scheduler process. 0 = any free
     port; the proxy discovers it."""
+    bootstrap_port: int = 8998
+    """P only: TCP port of the bootstrap endpoint (``GET /query``), the one vLLM's
+    MooncakeConnector serves and P/D routers read to find a prefill instance
+    (``vllm-router --kv-connector mooncake``, llm-d's sidecar in mooncake mode). 8998 is
+    vLLM's default. 0 = no bootstrap endpoint (LayerKV's own proxy does not need it). With
+    data parallelism, rank 0's engine serves it and the other ranks register with it."""
     data_port: int = 0
     """D only: first TCP port of the data listeners; TP rank r listens on data_port + r.
     0 = any free port (published to the scheduler through vLLM's handshake metadata)."""
@@ -108,7 +114,16 @@ class LayerKVConfig:
     kv_load_failure_policy then fails or recomputes it)."""
     registration_timeout_s: float = 60.0
     """P: how long a finished prefill keeps its blocks for a decode instance that has not
-    registered yet."""
+    registered yet (with a sequential router, the lease on the blocks until D's request
+    arrives)."""
+    remote_prefill_fallback: str = "local"
+    """D: what happens to a request that asks for a remote prefill (``do_remote_prefill``) with
+    ``kv_transfer_params`` LayerKV cannot use (another connector's, or malformed). Either way it
+    is counted in ``vllm:layerkv_remote_prefill_fallbacks_total`` and logged (rate-limited),
+    with the reason in the response's ``kv_transfer_params.layerkv_error``. "local": D computes
+    the prompt itself. "fail": the request takes vLLM's KV-load-failure path, so vLLM's
+    ``kv_load_failure_policy`` decides: "fail" (vLLM's default) ends it with finish reason
+    "error", "recompute" computes it locally."""
     ack_timeout_s: float = 60.0
     """P: how long a sent transfer waits for D's acknowledgement before its blocks are freed
     anyway."""
@@ -192,7 +207,7 @@ class LayerKVConfig:
             b.strip() for b in self.nixl_backends.split(",")),
              f"nixl_backends={self.nixl_backends!r} must name at least one NIXL backend, "
              "comma-separated (e.g. UCX)")
-        for name in ("registration_port", "data_port"):
+        for name in ("registration_port", "bootstrap_port", "data_port"):
             port = getattr(self, name)
             need(0 <= port <= 65535, f"{name}={port} is not a TCP port; use 0..65535 (0 = any)")
         need(self.nixl_num_threads >= 0,
@@ -215,6 +230,8 @@ class LayerKVConfig:
              f"staging_buffer_mb={self.staging_buffer_mb} must be between 1 and 4096 (MiB)")
         need(self.host_bounce in ("auto", "on", "off"),
              f"host_bounce={self.host_bounce!r}: use auto, on or off")
+        need(self.remote_prefill_fallback in ("local", "fail"),
+             f"remote_prefill_fallback={self.remote_prefill_fallback!r}: use local or fail")
         need(self.idle_backoff in ("auto", "on", "off"),
              f"idle_backoff={self.idle_backoff!r}: use auto, on or off")
         for name in ("staging_buffers", "recv_ring_slots", "writes_in_flight"):

@@ -150,7 +150,9 @@ class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
             return make_transfer_results(sending, recving, failed)
 
     def get_kv_connector_stats(self) -> LayerKVStats | None:
-        return self._worker.stats() if self._worker else None
+        if self._worker is not None:
+            return self._worker.stats()
+        return self._scheduler.stats() if self._scheduler is not None else None
 
     def shutdown(self) -> None:
         if self._worker is not None:

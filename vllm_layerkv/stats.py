@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 _LIST_KEYS = ("send_seconds", "exposed_seconds", "recv_seconds")
 _SUM_KEYS = ("bytes_sent", "bytes_received", "groups_sent", "transfers_sent",
-             "transfers_received", "transfers_failed")
+             "transfers_received", "transfers_failed", "remote_prefill_fallbacks")
 
 
 def _empty() -> dict[str, Any]:
@@ -57,6 +57,8 @@ class LayerKVStats(KVConnectorStats):
             "transfers received": self.data["transfers_received"],
             "failed": self.data["transfers_failed"],
         }
+        if self.data.get("remote_prefill_fallbacks"):
+            out["remote prefill fallbacks"] = self.data["remote_prefill_fallbacks"]
         send = self.data["send_seconds"]
         if send:
             out["avg group send (ms)"] = round(1e3 * sum(send) / len(send), 3)
@@ -141,6 +143,10 @@ class LayerKVPromMetrics(KVConnectorPromMetrics):
                                           "Requests whose KV fully arrived"),
             "transfers_failed": counter("vllm:layerkv_transfers_failed",
                                         "Transfers that failed or were aborted"),
+            "remote_prefill_fallbacks": counter(
+                "vllm:layerkv_remote_prefill_fallbacks",
+                "Requests that asked for a remote prefill LayerKV could not serve (computed "
+                "locally or failed, per remote_prefill_fallback)"),
         }
         self._histograms = {
             "send_seconds": histogram("vllm:layerkv_group_send_seconds",

@@ -7,6 +7,7 @@ import pytest
 
 from vllm_layerkv.scheduler.request_params import (
     MAX_TRANSFER_ID_LEN,
+    BootstrapAddress,
     DecodeParams,
     DiscoverParams,
     ParamsError,
@@ -35,8 +36,8 @@ def test_prefill() -> None:
 def test_decode() -> None:
     assert parse(DECODE) == DecodeParams("abc", "10.0.0.5:7000")
     assert parse({**DECODE, "remote_port": "7001"}) == DecodeParams("abc", "10.0.0.5:7001")
-    assert parse({**DECODE, "remote_port": 65535}).remote_endpoint == "10.0.0.5:65535"
-    assert parse({**DECODE, "remote_port": 1}).remote_endpoint == "10.0.0.5:1"
+    assert parse({**DECODE, "remote_port": 65535}).remote == "10.0.0.5:65535"
+    assert parse({**DECODE, "remote_port": 1}).remote == "10.0.0.5:1"
 
 
 def test_discover() -> None:
@@ -68,6 +69,8 @@ def test_both_flags() -> None:
 @pytest.mark.parametrize("flag", ["do_remote_decode", "do_remote_prefill"])
 @pytest.mark.parametrize("tid", [None, "", 17, ["t"]])
 def test_bad_or_missing_transfer_id(flag: str, tid: object) -> None:
+    if flag == "do_remote_decode" and tid is None:
+        pytest.skip("a prefill request without a transfer_id is the sequential contract")
     params = {**DECODE, "do_remote_prefill": False, flag: True}
     if tid is None:
         params.pop("transfer_id")
@@ -123,3 +126,34 @@ def test_first_token_from_prefill() -> None:
 def test_first_token_from_prefill_must_be_a_bool(value: object) -> None:
     with pytest.raises(ParamsError, match="first_token_from_prefill must be true or false"):
         parse({**DECODE, "first_token_from_prefill": value})
+
+
+@pytest.mark.parametrize("params", [
+    {"do_remote_decode": True},
+    # what vllm-router --kv-connector nixl and vLLM's toy proxy send to P
+    {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+     "remote_block_ids": None, "remote_host": None, "remote_port": None},
+])
+def test_prefill_without_transfer_id_asks_for_one_to_be_minted(params: dict) -> None:
+    assert parse(params) == PrefillParams(None, sequential=True)
+
+
+def test_decode_through_the_bootstrap_endpoint() -> None:
+    """What vllm-router --kv-connector mooncake and llm-d's mooncake sidecar send to D."""
+    params = {"do_remote_decode": False, "do_remote_prefill": True, "transfer_id": "xfer-1",
+              "remote_bootstrap_addr": "http://10.0.0.5:8998/", "remote_engine_id": "e0"}
+    assert parse(params) == DecodeParams("xfer-1", BootstrapAddress("http://10.0.0.5:8998", "e0"))
+
+
+@pytest.mark.parametrize("change,field", [
+    ({"remote_bootstrap_addr": "10.0.0.5:8998"}, "remote_bootstrap_addr"),
+    ({"remote_bootstrap_addr": 8998}, "remote_bootstrap_addr"),
+    ({"remote_engine_id": ""}, "remote_engine_id"),
+    ({"remote_engine_id": None}, "remote_engine_id"),
+])
+def test_bad_bootstrap_fields_say_what_to_send(change: dict, field: str) -> None:
+    params = {"do_remote_prefill": True, "transfer_id": "xfer-1",
+              "remote_bootstrap_addr": "http://10.0.0.5:8998", "remote_engine_id": "e0",
+              **change}
+    with pytest.raises(ParamsError, match=f"kv_transfer_params.{field}"):
+        parse(params)

@@ -288,6 +288,153 @@ def test_registration_after_prefill_finished_is_flushed(engines) -> None:
     assert reported(p, "finished_sending", rp.request_id) == 1
 
 
+# ----------------------------------------------------------------------------- router contracts
+
+
+NIXL_STYLE_PREFILL = {"do_remote_decode": True, "do_remote_prefill": False,
+                      "remote_engine_id": None, "remote_block_ids": None, "remote_host": None,
+                      "remote_port": None}
+"""What vllm-router --kv-connector nixl and vLLM's toy proxy send to P: no transfer id."""
+
+
+def test_sequential_contract_mints_a_transfer_and_answers_decode_params(engines) -> None:
+    """P answers first; the router copies P's kv_transfer_params into D's request verbatim."""
+    p = engines("kv_producer", P_EXTRA, max_num_batched_tokens=CHUNK)
+    d = engines("kv_consumer")
+    endpoint = p.endpoint
+    rp = create_request(150, dict(NIXL_STYLE_PREFILL), seed=9)
+    p.scheduler.add_request(rp)
+    assert rp.request_id in p.step().num_scheduled  # no wait for a registration not yet sent
+    p.run_until(lambda: rp.request_id in p.finished)
+    params = p.finished[rp.request_id].kv_transfer_params
+    host, port = endpoint.rsplit(":", 1)
+    assert params["transfer_id"].startswith("lkv-")
+    assert {k: params[k] for k in ("do_remote_prefill", "do_remote_decode", "remote_host",
+                                   "remote_port")} == {"do_remote_prefill": True,
+                                                       "do_remote_decode": False,
+                                                       "remote_host": host,
+                                                       "remote_port": int(port)}
+    assert rp.request_id in p.scheduler.requests  # blocks held for D under the lease
+    assert sends_of(p) == []
+
+    shift_block_ids(d)
+    rd = create_request(150, dict(params), max_tokens=2, seed=9)
+    d.scheduler.add_request(rd)
+    d.step()
+    d_blocks = d.block_ids(rd.request_id)
+    d.run_until(lambda: reported(d, "finished_recving", rd.request_id) == 1, others=(p,))
+    assert_kv_arrived(d, rd, d_blocks)
+    run_both_until_idle(p, d)
+    assert reported(p, "finished_sending", rp.request_id) == 1
+
+
+def test_decode_finds_prefill_through_its_bootstrap_endpoint(engines) -> None:
+    """vllm-router --kv-connector mooncake / llm-d's mooncake mode: D gets P's bootstrap URL
+    and engine id; P and D at once still stream KV as the prefill runs."""
+    import json as _json
+    import urllib.request
+
+    from vllm_layerkv.testing.servers import free_port
+
+    bootstrap = free_port()
+    p = engines("kv_producer", {**P_EXTRA, "bootstrap_port": bootstrap},
+                max_num_batched_tokens=CHUNK)
+    d = engines("kv_consumer")
+    with urllib.request.urlopen(f"http://127.0.0.1:{bootstrap}/query", timeout=5) as r:
+        engine_id = _json.loads(r.read())["0"]["engine_id"]
+    assert engine_id == str(p.vllm_config.kv_transfer_config.engine_id)
+    shift_block_ids(d)
+    rd = create_request(150, {"do_remote_decode": False, "do_remote_prefill": True,
+                              "transfer_id": "xfer-b1",
+                              "remote_bootstrap_addr": f"http://127.0.0.1:{bootstrap}",
+                              "remote_engine_id": engine_id}, max_tokens=2, seed=4)
+    d.scheduler.add_request(rd)
+    d.step()
+    d_blocks = d.block_ids(rd.request_id)
+    rp = create_request(150, {"do_remote_decode": True, "do_remote_prefill": False,
+                              "transfer_id": "xfer-b1"}, seed=4)
+    p.scheduler.add_request(rp)
+    p.run_until(lambda: rp.request_id in p.finished, others=(d,))
+    streamed = [t for t in sends_of(p) if t.transfer_id == "xfer-b1"]
+    assert len(streamed) == 3 and all(t.streamed for t in streamed)  # one per chunk
+    d.run_until(lambda: reported(d, "finished_recving", rd.request_id) == 1, others=(p,))
+    assert_kv_arrived(d, rd, d_blocks)
+    run_both_until_idle(p, d)
+
+
+def test_unknown_bootstrap_engine_fails_the_decode_request_with_the_reason(engines) -> None:
+    from vllm_layerkv.testing.servers import free_port
+
+    bootstrap = free_port()
+    engines("kv_producer", {"bootstrap_port": bootstrap})
+    d = engines("kv_consumer")
+    rd = create_request(40, {"do_remote_prefill": True, "transfer_id": "xfer-x",
+                             "remote_bootstrap_addr": f"http://127.0.0.1:{bootstrap}",
+                             "remote_engine_id": "not-p"}, max_tokens=2)
+    d.scheduler.add_request(rd)
+    d.run_until(lambda: rd.request_id in d.finished)
+    assert d.finished[rd.request_id].finish_reason == FinishReason.ERROR  # policy fail
+    closes = [c for rec in d.history for c in rec.meta.recv_closes]
+    assert len(closes) == 1 and "knows no prefill engine 'not-p'" in closes[0].reason
+    assert_all_empty(d)
+
+
+def test_late_registrations_stop_the_wait_for_them(engines) -> None:
+    """A router that sends D only after P's answer (vllm-router in mooncake mode): after a few
+    registrations that come once their prefill has finished, P stops deferring prefills."""
+    from vllm_layerkv.scheduler.prefill import LATE_REGISTRATION_STREAK
+
+    p = engines("kv_producer", {"registration_wait_s": 0.05})
+    d = engines("kv_consumer")
+    endpoint = p.endpoint
+    for i in range(LATE_REGISTRATION_STREAK):
+        rp = create_request(40, {"do_remote_decode": True, "transfer_id": f"s{i}"}, seed=i)
+        p.scheduler.add_request(rp)
+        p.run_until(lambda: rp.request_id in p.finished)
+        rd = create_request(40, decode_params(f"s{i}", endpoint), max_tokens=1, seed=i)
+        d.scheduler.add_request(rd)
+        d.run_until(lambda: rd.request_id in d.finished, others=(p,))
+    run_both_until_idle(p, d)
+    rp = create_request(40, {"do_remote_decode": True, "transfer_id": "next"})
+    p.scheduler.add_request(rp)
+    assert rp.request_id in p.step().num_scheduled  # not held back for a registration
+
+
+@pytest.mark.parametrize("fallback,policy,finish", [
+    ("local", "fail", FinishReason.LENGTH),
+    ("fail", "fail", FinishReason.ERROR),
+    ("fail", "recompute", FinishReason.LENGTH),
+])
+def test_a_remote_prefill_that_cannot_be_served_is_never_silent(
+        engines, fallback: str, policy: str, finish: FinishReason) -> None:
+    """NixlConnector's params reach a LayerKV decode instance: counted in the metrics, and
+    served as remote_prefill_fallback (and vLLM's kv_load_failure_policy) say."""
+    d = engines("kv_consumer", {"remote_prefill_fallback": fallback},
+                kv_load_failure_policy=policy)
+    nixl_params = {"do_remote_prefill": True, "do_remote_decode": False,
+                   "remote_block_ids": [1, 2, 3], "remote_engine_id": "e",
+                   "remote_host": "10.0.0.5", "remote_port": 5600, "tp_size": 1}
+    reqs = [create_request(40, dict(nixl_params), max_tokens=2, seed=i) for i in range(2)]
+    for r in reqs:
+        d.scheduler.add_request(r)
+    d.run_until(lambda: all(r.request_id in d.finished for r in reqs))
+    for r in reqs:
+        out = d.finished[r.request_id]
+        assert out.finish_reason == finish
+        if out.kv_transfer_params is not None:  # vLLM answers a failed request without them
+            assert "transfer_id" in out.kv_transfer_params["layerkv_error"]
+    closes = [c for rec in d.history for c in rec.meta.recv_closes]
+    if fallback == "fail":  # the reason travels with the failed transfer (and D's log)
+        assert len(closes) == 2 and all("transfer_id" in c.reason for c in closes)
+    else:
+        assert closes == [] and not any(rec.meta.recvs for rec in d.history)
+    # vLLM's scheduler takes the count each step, as it sums it for /metrics
+    reported_stats = [s for rec in d.history for s in rec.kv_connector_stats]
+    assert sum(s.get("remote_prefill_fallbacks", 0) for s in reported_stats) == 2
+    assert d.connector.get_kv_connector_stats() is None  # nothing counted twice
+    assert_all_empty(d)
+
+
 # ----------------------------------------------------------------------------- decode failures
 
 
@@ -438,7 +585,7 @@ def test_unreachable_prefill_fails_the_request(engines) -> None:
 
 
 @pytest.mark.parametrize("role,params,field", [
-    ("kv_producer", {"do_remote_decode": True}, "transfer_id"),
+    ("kv_producer", {"do_remote_decode": True, "transfer_id": ""}, "transfer_id"),
     ("kv_producer", {"do_remote_decode": True, "do_remote_prefill": True, "transfer_id": "x"},
      "do_remote_prefill"),
     ("kv_producer", {"do_remote_prefill": True, "transfer_id": "x", "remote_host": "h",

@@ -175,6 +175,9 @@ class StepRecord:
     num_scheduled: dict[str, int]
     kv_output: KVConnectorOutput
     outputs: list[EngineCoreOutput]
+    kv_connector_stats: list[dict[str, Any]] = field(default_factory=list)
+    """What vLLM's scheduler reported of the connector's stats this step (workers' and its
+    own, summed)."""
 
 
 @dataclass
@@ -280,7 +283,9 @@ class Engine:
         for o in outs:
             if o.finish_reason is not None:
                 self.finished[o.request_id] = o
-        record = StepRecord(meta, dict(so.num_scheduled_tokens), kv_output, outs)
+        stats = [eco.scheduler_stats.kv_connector_stats for eco in engine_outputs.values()
+                 if eco.scheduler_stats is not None and eco.scheduler_stats.kv_connector_stats]
+        record = StepRecord(meta, dict(so.num_scheduled_tokens), kv_output, outs, stats)
         self.history.append(record)
         return record
 

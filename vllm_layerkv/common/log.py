@@ -10,6 +10,7 @@ handler prints the same records).
 from __future__ import annotations
 
 import logging
+import time
 
 PACKAGE = "vllm_layerkv"
 LOGGER_ROOT = "vllm.layerkv"
@@ -24,3 +25,24 @@ def logger_name(module: str) -> str:
 
 def init_logger(module: str) -> logging.Logger:
     return logging.getLogger(logger_name(module))
+
+
+class RateLimitedWarning:
+    """A warning that repeats per request (a misconfigured router sends every request the
+    same way): logged at most once per ``interval_s``; the next line counts what was held."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float = 10.0) -> None:
+        self._logger = logger
+        self._interval_s = interval_s
+        self._last = float("-inf")
+        self._held = 0
+
+    def warning(self, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self._last < self._interval_s:
+            self._held += 1
+            return
+        held, self._held, self._last = self._held, 0, now
+        if held:
+            msg += f" ({held} more like it in the last {self._interval_s:.0f} s)"
+        self._logger.warning(msg, *args)

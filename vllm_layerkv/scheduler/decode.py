@@ -33,7 +33,7 @@ from vllm_layerkv.config import LayerKVConfig
 from vllm_layerkv.kv.groups import NULL_BLOCK
 from vllm_layerkv.metadata import LayerKVMetadata, RecvClose, RecvTask
 from vllm_layerkv.scheduler.registrar import RegistrationClient
-from vllm_layerkv.scheduler.request_params import DecodeParams
+from vllm_layerkv.scheduler.request_params import DecodeParams, PrefillAddress
 from vllm_layerkv.wire.protocol import Cancel, CompatInfo, FirstToken, Refused, Register
 
 if TYPE_CHECKING:
@@ -48,7 +48,7 @@ logger = init_logger(__name__)
 class _Waiting:
     req_id: str
     transfer_id: str
-    endpoint: str
+    endpoint: PrefillAddress
     deadline: float
     closed: bool = False
     request: Request | None = None
@@ -103,7 +103,7 @@ class DecodeScheduler:
         self._admitted.add(req_id)
         if num_external_tokens == 0:
             # everything was in D's own prefix cache: P need not wait for us
-            self._client.send(params.remote_endpoint, Cancel(
+            self._client.send(params.remote, Cancel(
                 transfer_id=params.transfer_id, reason="decode had the whole prompt cached"))
             return
         if not self._data_endpoints:
@@ -115,7 +115,7 @@ class DecodeScheduler:
             tp_size=self._tp_size, data_endpoints=self._data_endpoints, block_ids=block_ids,
             start_token=local, num_tokens=local + num_external_tokens,
             wants_first_token=first)
-        w = _Waiting(req_id, params.transfer_id, params.remote_endpoint,
+        w = _Waiting(req_id, params.transfer_id, params.remote,
                      deadline=time.monotonic() + self._config.kv_wait_timeout_s,
                      request=request if first else None)
         self._waiting[req_id] = w
@@ -129,7 +129,24 @@ class DecodeScheduler:
                           f"its last {self._backoff} token(s)); send this request without it "
                           "(the proxy's --first-token-from-prefill off)", notify_prefill=True)
             return
-        self._client.send(params.remote_endpoint, reg)
+        self._client.send(params.remote, reg)
+
+    def fail_at_once(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int,
+                     reason: str) -> None:
+        """A request that asked for a remote prefill D cannot serve: it fails through vLLM's
+        KV-load-failure path, as one whose registration P refused does."""
+        req_id = request.request_id
+        self._local_hits.pop(req_id, None)
+        if req_id in self._admitted or num_external_tokens == 0:
+            return
+        self._admitted.add(req_id)
+        transfer_id = f"unserved-{req_id}"
+        w = _Waiting(req_id, transfer_id, "", deadline=time.monotonic())
+        self._waiting[req_id] = w
+        self._by_tid[transfer_id] = w
+        writable = sorted({b for g in blocks.get_block_ids() for b in g if b != NULL_BLOCK})
+        self._pending.recvs.append(RecvTask(req_id, transfer_id, writable))
+        self._fail(w, reason, notify_prefill=False)
 
     def build_meta(self, meta: LayerKVMetadata,
                    scheduler_output: SchedulerOutput | None = None) -> None:

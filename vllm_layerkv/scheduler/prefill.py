@@ -36,6 +36,7 @@ from vllm_layerkv.kv.groups import (
     select_blocks,
 )
 from vllm_layerkv.metadata import LayerKVMetadata, Peer, SendTask
+from vllm_layerkv.scheduler.bootstrap import BootstrapError, BootstrapServer, register_with
 from vllm_layerkv.scheduler.registrar import RegistrationServer
 from vllm_layerkv.scheduler.request_params import PrefillParams
 from vllm_layerkv.wire.protocol import (
@@ -66,6 +67,12 @@ registration_timeout_s, and D requests stalled for the whole hold). The ceiling 
 1 s, so a long hold leaves P's workers idle. The cost: a new request that reaches P during such
 a wait is scheduled up to that long later, which is why only ``idle_backoff`` (on for CPU
 instances by default, config.py) turns this on."""
+LATE_REGISTRATION_STREAK = 3
+"""After this many registrations in a row that arrived only once their prefill had finished, P
+stops holding new prefills back for registrations: the router in front sends the decode request
+after the prefill's answer (vllm-router does, in its mooncake mode too), so the wait only adds
+``registration_wait_s`` to every request. One registration that arrives while its prefill runs
+turns the wait back on."""
 EARLY_REGISTRATION_TTL_S = 3600.0
 """A registration whose prefill request has not been scheduled yet is kept until D cancels it
 (D sends Cancel when it times out or aborts). The request may sit in P's queue behind other
@@ -89,12 +96,14 @@ class _Prefill:
     hold_deadline: float = 0.0
     first_token: int | None = None
     """The token the request sampled after its prompt (known once it finished)."""
+    sequential: bool = False
+    """P minted the transfer id: D learns it from P's answer and registers only then."""
 
 
 class PrefillScheduler:
     def __init__(self, config: LayerKVConfig, compat: CompatInfo, tp_size: int,
-                 groups: list[KVGroupInfo], engine_id: str, idle_backoff: bool = False
-                 ) -> None:
+                 groups: list[KVGroupInfo], engine_id: str, idle_backoff: bool = False,
+                 dp_rank: int = 0) -> None:
         """``idle_backoff``: throttle empty engine steps while P only waits for registrations
         (``LayerKVConfig.idle_backoff`` resolved for this instance's device)."""
         self._config = config
@@ -124,6 +133,10 @@ class PrefillScheduler:
         self._server = RegistrationServer(config.host, config.registration_port,
                                           self._on_register, self._on_cancel)
         self.endpoint = self._server.endpoint
+        self._bootstrap = self._serve_bootstrap(dp_rank) if config.bootstrap_port else None
+        self._late_registrations = 0
+        """Registrations in a row that arrived after their prefill finished."""
+        self._said_sequential = False
         logger.info("LayerKV prefill registration endpoint %s (engine %s, TP %d)", self.endpoint,
                     engine_id, tp_size)
 
@@ -159,6 +172,8 @@ class PrefillScheduler:
             self._tracer.event("p_seen", transfer_id=params.transfer_id)
         if wait <= 0 or req_id in self._by_req:  # re-admitted after preemption: go on
             return False
+        if params.sequential or self._late_registrations >= LATE_REGISTRATION_STREAK:
+            return False  # D registers only after this prefill's answer
         self._drain_incoming()
         if params.transfer_id in self._early_regs:
             self._first_seen.pop(req_id, None)
@@ -181,7 +196,10 @@ class PrefillScheduler:
             return (f"transfer_id {params.transfer_id!r} is already in use by another request; "
                     "mint a fresh transfer_id per request")
         p = _Prefill(req_id, params.transfer_id, num_prompt_tokens,
-                     block_ids=[[] for _ in self._groups])
+                     block_ids=[[] for _ in self._groups], sequential=params.sequential)
+        if params.sequential:
+            self._say_sequential("a prefill request without a transfer_id (a router that sends "
+                                 "the decode request after the prefill's answer)")
         if self._tracer.enabled:
             self._tracer.event("p_admitted", transfer_id=params.transfer_id)
             self._tracer.flush()
@@ -226,7 +244,7 @@ class PrefillScheduler:
 
     def request_finished(self, req_id: str, transfer_id: str, block_ids: list[list[int]],
                          complete: bool, first_token: int | None = None
-                         ) -> tuple[bool, dict[str, str] | None]:
+                         ) -> tuple[bool, dict[str, object] | None]:
         """``first_token``: what the request sampled after its prompt; sent to a D that asked
         for it (``Register.wants_first_token``)."""
         self._first_seen.pop(req_id, None)
@@ -243,7 +261,7 @@ class PrefillScheduler:
                                                   list(reg.data_endpoints))))
             return False, None
         p.finished = True
-        params = {"transfer_id": p.transfer_id, "layerkv_endpoint": self.endpoint}
+        params = self._answer(p)
         self._drain_incoming()
         if not complete:
             reason = "prefill request ended before its prompt was computed (aborted)"
@@ -303,6 +321,8 @@ class PrefillScheduler:
 
     def shutdown(self) -> None:
         self._server.close()
+        if self._bootstrap is not None:
+            self._bootstrap.close()
 
     # ------------------------------------------------------------ internals
     def _task(self, p: _Prefill, upto: int) -> SendTask | None:
@@ -349,6 +369,8 @@ class PrefillScheduler:
             self._pending.releases.append((p.req_id, p.transfer_id))
 
     def _attach(self, p: _Prefill, reg: Register) -> None:
+        if not p.sequential:
+            self._count_registration(late=p.finished)
         p.reg = reg
         p.peer = Peer(engine_id=reg.engine_id, tp_size=reg.tp_size,
                       data_endpoints=list(reg.data_endpoints))
@@ -422,6 +444,57 @@ class PrefillScheduler:
             self._server.forget(tid)
         for tid in [t for t, at in self._gone.items() if now - at > EARLY_REGISTRATION_TTL_S]:
             del self._gone[tid]
+
+    def _answer(self, p: _Prefill) -> dict[str, object]:
+        """What P's response carries in ``kv_transfer_params``. A sequential router copies it
+        into the decode request as it is, so it holds all D needs to register."""
+        params: dict[str, object] = {"transfer_id": p.transfer_id, "layerkv_endpoint": self.endpoint}
+        if p.sequential:
+            host, port = self.endpoint.rsplit(":", 1)
+            params.update(do_remote_prefill=True, do_remote_decode=False, remote_host=host,
+                          remote_port=int(port), remote_engine_id=self._engine_id)
+        return params
+
+    def _count_registration(self, late: bool) -> None:
+        """Registrations that keep arriving after their prefill finished mean a sequential
+        router: stop holding prefills back for them (LATE_REGISTRATION_STREAK)."""
+        if not late:
+            if self._late_registrations >= LATE_REGISTRATION_STREAK:
+                logger.info("a decode registration arrived while its prefill ran: new prefills "
+                            "wait for registrations again (registration_wait_s)")
+            self._late_registrations = 0
+            return
+        self._late_registrations += 1
+        if self._late_registrations == LATE_REGISTRATION_STREAK:
+            self._say_sequential(f"{LATE_REGISTRATION_STREAK} decode registrations in a row "
+                                 "arrived only after their prefill had finished (a router that "
+                                 "sends the decode request after the prefill's answer)")
+
+    def _say_sequential(self, why: str) -> None:
+        """Once per instance: this contract cannot overlap the transfer with the prefill."""
+        if not self._said_sequential:
+            self._said_sequential = True
+            logger.warning(
+                "LayerKV: %s. KV moves once decode registers, after the prefill, with no "
+                "overlap, and new prefills no longer wait for registrations. Routers that send "
+                "the prefill and decode requests at once (vllm-layerkv proxy, llm-d's mooncake "
+                "mode) stream KV during the prefill; docs/deployment.md", why)
+
+    def _serve_bootstrap(self, dp_rank: int) -> BootstrapServer | None:
+        """The bootstrap endpoint routers read (rank 0 serves it, other data-parallel ranks
+        register with it). A port in use is logged, not fatal: LayerKV's own proxy does not
+        need the endpoint."""
+        port = self._config.bootstrap_port
+        if dp_rank > 0:
+            register_with(self._config.host, port, dp_rank, self._engine_id, self.endpoint)
+            return None
+        try:
+            return BootstrapServer(self._config.host, port, dp_rank, self._engine_id,
+                                   self.endpoint)
+        except BootstrapError as e:
+            logger.error("LayerKV: %s. Routers that read it (vllm-router --kv-connector "
+                         "mooncake, llm-d's mooncake mode) cannot find this instance.", e)
+            return None
 
     def _forget(self, p: _Prefill) -> None:
         self._server.forget(p.transfer_id)

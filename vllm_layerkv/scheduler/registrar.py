@@ -22,6 +22,8 @@ from collections.abc import Callable
 
 from vllm_layerkv.common.log import init_logger
 from vllm_layerkv.common.threads import start_thread
+from vllm_layerkv.scheduler.bootstrap import BootstrapError, resolve
+from vllm_layerkv.scheduler.request_params import BootstrapAddress, PrefillAddress
 from vllm_layerkv.wire import framing
 from vllm_layerkv.wire.protocol import (
     Cancel,
@@ -137,19 +139,23 @@ class RegistrationServer:
 
 class RegistrationClient:
     """Sends Register/Cancel to prefill schedulers; what P sends back (answers, first tokens)
-    comes through ``replies``."""
+    comes through ``replies``. A prefill instance named by its bootstrap endpoint is looked up
+    there first, from this client's thread, and the answer is kept until a connection to it
+    fails."""
 
     def __init__(self, connect_timeout: float, io_timeout: float):
         self._connect_timeout = connect_timeout
         self._io_timeout = io_timeout
-        self._outbox: queue.SimpleQueue[tuple[str, Message] | None] = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[tuple[PrefillAddress, Message] | None] = (
+            queue.SimpleQueue())
+        self._resolved: dict[BootstrapAddress, str] = {}
         self.replies: queue.SimpleQueue[RegisterAck | Refused | FirstToken] = queue.SimpleQueue()
         self._conns: dict[str, tuple[socket.socket, queue.SimpleQueue]] = {}
         """endpoint -> (connection, the answers its reader hands to ``_exchange``)."""
         self._thread = start_thread(self._run, "layerkv-register-client")
 
-    def send(self, endpoint: str, msg: Message) -> None:
-        self._outbox.put((endpoint, msg))
+    def send(self, address: PrefillAddress, msg: Message) -> None:
+        self._outbox.put((address, msg))
 
     def close(self) -> None:
         self._outbox.put(None)
@@ -159,17 +165,34 @@ class RegistrationClient:
             entry = self._outbox.get()
             if entry is None:
                 break
-            endpoint, msg = entry
+            address, msg = entry
+            try:
+                endpoint = self._endpoint(address)
+            except BootstrapError as e:
+                self.replies.put(Refused(transfer_id=getattr(msg, "transfer_id", ""),
+                                         reason=str(e)))
+                continue
             try:
                 reply = self._exchange(endpoint, msg)
             except (OSError, framing.PeerClosed, ValueError) as e:
                 self._drop(endpoint)
+                if isinstance(address, BootstrapAddress):
+                    self._resolved.pop(address, None)  # P may have restarted elsewhere
                 reply = Refused(transfer_id=getattr(msg, "transfer_id", ""),
                                 reason=f"cannot reach the prefill instance at {endpoint}: {e}")
             if reply is not None:
                 self.replies.put(reply)  # type: ignore[arg-type]
         for endpoint in list(self._conns):
             self._drop(endpoint)
+
+    def _endpoint(self, address: PrefillAddress) -> str:
+        if not isinstance(address, BootstrapAddress):
+            return address
+        endpoint = self._resolved.get(address)
+        if endpoint is None:
+            endpoint = resolve(address.bootstrap_addr, address.engine_id, self._connect_timeout)
+            self._resolved[address] = endpoint
+        return endpoint
 
     def _exchange(self, endpoint: str, msg: Message) -> Message | None:
         for attempt in (0, 1):  # a cached connection may have gone stale: retry once fresh

@@ -7,9 +7,11 @@ on any instance.
 
 from __future__ import annotations
 
+import uuid
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from vllm_layerkv.common.log import init_logger
+from vllm_layerkv.common.log import RateLimitedWarning, init_logger
 from vllm_layerkv.compat import device_type, kv_groups, truncate_prompt
 from vllm_layerkv.config import LayerKVConfig
 from vllm_layerkv.kv.groups import prefill_backoff
@@ -25,6 +27,7 @@ from vllm_layerkv.scheduler.request_params import (
     PrefillParams,
     parse,
 )
+from vllm_layerkv.stats import LayerKVStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -36,6 +39,18 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = init_logger(__name__)
+
+
+@dataclass(frozen=True)
+class UnservedRemotePrefill:
+    """A decode request whose remote prefill LayerKV cannot serve, failed on purpose
+    (``remote_prefill_fallback: fail``)."""
+
+    reason: str
+
+
+def asks_remote_prefill(params: object) -> bool:
+    return isinstance(params, dict) and bool(params.get("do_remote_prefill"))
 
 
 class LayerKVScheduler:
@@ -53,22 +68,29 @@ class LayerKVScheduler:
                         [g.signature() for g in groups], self._backoff)
         idle_backoff = config.backs_off_when_idle(device_type(vllm_config))
         self._prefill = (PrefillScheduler(config, compat, tp_size, groups, engine_id,
-                                          idle_backoff)
+                                          idle_backoff,
+                                          vllm_config.parallel_config.data_parallel_rank)
                          if is_producer else None)
         self._decode = (DecodeScheduler(config, compat, tp_size, engine_id, self._backoff)
                         if is_consumer else None)
         self._role_name = ("kv_both" if is_producer and is_consumer
                            else "kv_producer" if is_producer else "kv_consumer")
-        self._parsed: dict[str, Parsed] = {}
+        self._parsed: dict[str, Parsed | UnservedRemotePrefill] = {}
         self._errors: dict[str, str] = {}
+        self._fallbacks = 0
+        """Requests that asked for a remote prefill and could not get one (since last stats)."""
+        self._fallback_warning = RateLimitedWarning(logger)
 
     # ------------------------------------------------------------ request routing
-    def _params(self, request: Request) -> Parsed:
+    def _params(self, request: Request) -> Parsed | UnservedRemotePrefill:
         req_id = request.request_id
         if req_id in self._parsed:
             return self._parsed[req_id]
+        parsed: Parsed | UnservedRemotePrefill
         try:
             parsed = parse(request.kv_transfer_params)
+            if isinstance(parsed, PrefillParams) and parsed.transfer_id is None:
+                parsed = replace(parsed, transfer_id=f"lkv-{uuid.uuid4().hex}")
             if isinstance(parsed, (PrefillParams, DiscoverParams)) and self._prefill is None:
                 raise ParamsError(f"this instance is a {self._role_name}; send do_remote_decode "
                                   "requests to a prefill (kv_producer) instance")
@@ -76,11 +98,28 @@ class LayerKVScheduler:
                 raise ParamsError(f"this instance is a {self._role_name}; send do_remote_prefill "
                                   "requests to a decode (kv_consumer) instance")
         except ParamsError as e:
-            logger.warning("request %s: %s; serving it locally without KV transfer", req_id, e)
             self._errors[req_id] = str(e)
             parsed = None
+            if asks_remote_prefill(request.kv_transfer_params):
+                parsed = self._remote_prefill_fallback(req_id, str(e))
+            else:
+                logger.warning("request %s: %s; serving it locally without KV transfer", req_id,
+                               e)
         self._parsed[req_id] = parsed
         return parsed
+
+    def _remote_prefill_fallback(self, req_id: str, reason: str) -> UnservedRemotePrefill | None:
+        """A request asked for its prompt's KV from a prefill instance and cannot have it: never
+        silently: counted (``vllm:layerkv_remote_prefill_fallbacks``), logged, and served as
+        ``remote_prefill_fallback`` says."""
+        self._fallbacks += 1
+        fail = self._config.remote_prefill_fallback == "fail" and self._decode is not None
+        self._fallback_warning.warning(
+            "request %s asks for a remote prefill that LayerKV cannot serve: %s; %s (setting "
+            "remote_prefill_fallback=%s)", req_id, reason,
+            "failing it through vLLM's kv_load_failure_policy" if fail
+            else "computing its prompt on this instance", self._config.remote_prefill_fallback)
+        return UnservedRemotePrefill(reason) if fail else None
 
     def on_new_request(self, request: Request) -> None:
         """Mamba backoff, P side: before vLLM schedules anything, shorten a prefill request's
@@ -91,7 +130,8 @@ class LayerKVScheduler:
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
         params = self._params(request)
-        if isinstance(params, DecodeParams) and self._decode is not None:
+        if (isinstance(params, (DecodeParams, UnservedRemotePrefill))
+                and self._decode is not None):
             return self._decode.num_matched_tokens(request, num_computed_tokens)
         if isinstance(params, PrefillParams) and self._prefill is not None:
             if self._prefill.should_defer(request.request_id, params):
@@ -103,6 +143,8 @@ class LayerKVScheduler:
         params = self._params(request)
         if isinstance(params, DecodeParams) and self._decode is not None:
             self._decode.after_alloc(request, blocks, num_external_tokens, params)
+        elif isinstance(params, UnservedRemotePrefill) and self._decode is not None:
+            self._decode.fail_at_once(request, blocks, num_external_tokens, params.reason)
         elif isinstance(params, PrefillParams) and self._prefill is not None:
             err = self._prefill.track(request.request_id, params, request.num_prompt_tokens)
             if err is not None:
@@ -124,6 +166,8 @@ class LayerKVScheduler:
         req_id = request.request_id
         params = self._parsed.pop(req_id, None)
         error = self._errors.pop(req_id, None)
+        if isinstance(params, UnservedRemotePrefill) and self._decode is not None:
+            self._decode.request_finished(req_id)
         if error is not None:
             return False, {"layerkv_error": error}
         if isinstance(params, DiscoverParams) and self._prefill is not None:
@@ -161,6 +205,15 @@ class LayerKVScheduler:
                 raise RuntimeError(f"unexpected handshake metadata {type(meta).__name__}")
             endpoints.append(meta.data_endpoint)
         self._decode.set_data_endpoints(endpoints)
+
+    def stats(self) -> LayerKVStats | None:
+        """The scheduler's own counters, summed by vLLM with the workers' stats."""
+        if not self._fallbacks:
+            return None
+        stats = LayerKVStats()
+        stats.data["remote_prefill_fallbacks"] = self._fallbacks
+        self._fallbacks = 0
+        return stats
 
     def shutdown(self) -> None:
         if self._prefill is not None:
