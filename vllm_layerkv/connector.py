@@ -29,7 +29,7 @@ from vllm_layerkv.stats import LayerKVPromMetrics, LayerKVStats
 from vllm_layerkv.worker.worker import LayerKVWorker
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
+    from vllm.config import KVTransferConfig, VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
         KVConnectorHandshakeMetadata,
         KVConnectorTransferResults,
@@ -78,6 +78,13 @@ class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
         # Only vLLM's extra_config is visible here, not kv_role: the prefill launch marks itself
         # with "piecewise_cudagraph": true so that decode keeps its FULL decode graphs.
         return LayerKVConfig.from_extra_config(extra_config).piecewise_cudagraph
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        # vLLM 0.33+ asks before sleep mode. LayerKV registers its KV tensors once (CUDA IPC
+        # handles, NIXL / Mooncake memory registrations, D's exports to P): memory freed and
+        # re-allocated by sleep / wake-up would leave peers writing into stale addresses.
+        return False
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> LayerKVStats:

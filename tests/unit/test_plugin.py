@@ -35,5 +35,6 @@ def test_connector_class_hooks() -> None:
     assert LayerKVConnector.get_required_kvcache_layout(None) == "HND"
     assert LayerKVConnector.requires_piecewise_for_cudagraph({}) is False
     assert LayerKVConnector.requires_piecewise_for_cudagraph({"piecewise_cudagraph": True})
+    assert LayerKVConnector.supports_sleep_mode(None) is False  # vLLM 0.33's sleep mode
     stats = LayerKVConnector.build_kv_connector_stats({"bytes_sent": 10, "groups_sent": 1})
     assert stats is not None and not stats.is_empty()
