@@ -50,7 +50,7 @@ GPU (a host with vLLM installed; MODEL_DIR holds Llama-3.1-8B's config.json and 
       --load 16:4096:128:200 --identity 8 --out $OUT
 CPU smoke (tiny model; about 70 s on 2 cores, nearly all vLLM start-up):
   python benchmarks/ttft_bench.py --device cpu --model .models/tiny-llama --configs single layerkv \
-      --prompt-lens 512 --num-prompts 2 --out /tmp/bench
+      --max-model-len 2048 --prompt-lens 512 --num-prompts 2 --out /tmp/bench
 """
 
 from __future__ import annotations
