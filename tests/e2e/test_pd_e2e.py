@@ -7,7 +7,6 @@ import json
 import socket
 import threading
 import time
-import urllib.request
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -18,7 +17,7 @@ from prompts import PROMPTS, make_prompt
 
 from vllm_layerkv.testing import faults
 from vllm_layerkv.testing.cluster import MODEL_NAME, PDCluster, metric, wait_idle
-from vllm_layerkv.testing.servers import get_text, post_json
+from vllm_layerkv.testing.servers import get_text, post_json, stream_text
 
 pytestmark = pytest.mark.e2e
 MAX_TOKENS = 24
@@ -32,19 +31,6 @@ def complete(url: str, prompt: str, **kw: Any) -> dict[str, Any]:
     return data
 
 
-def stream_text(url: str, path: str, body: dict[str, Any]) -> str:
-    """Concatenated text of an SSE completion stream."""
-    req = urllib.request.Request(url + path, data=json.dumps({**body, "stream": True}).encode(),
-                                 headers={"Content-Type": "application/json"})
-    out = []
-    with urllib.request.urlopen(req, timeout=300) as resp:
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            choice = json.loads(line[6:])["choices"][0]
-            out.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
-    return "".join(out)
 
 
 def token_ids(resp: dict[str, Any]) -> list[int]:

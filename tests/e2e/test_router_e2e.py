@@ -23,7 +23,6 @@ import json
 import socket
 import threading
 import time
-import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -44,7 +43,7 @@ from vllm_layerkv.testing.cluster import (
 )
 from vllm_layerkv.testing.models import model_path
 from vllm_layerkv.testing.router import VllmRouter
-from vllm_layerkv.testing.servers import VllmServer, post_json
+from vllm_layerkv.testing.servers import VllmServer, post_json, stream_text
 
 pytestmark = pytest.mark.e2e
 MAX_TOKENS = 16
@@ -124,20 +123,6 @@ def post_ok(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
-def stream_text(url: str, path: str, body: dict[str, Any]) -> str:
-    """Concatenated text of an SSE completion or chat stream."""
-    req = urllib.request.Request(url + path, data=json.dumps({**body, "stream": True}).encode(),
-                                 headers={"Content-Type": "application/json"})
-    out = []
-    with urllib.request.urlopen(req, timeout=300) as resp:
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            choices = json.loads(line[6:]).get("choices") or [{}]
-            out.append(choices[0].get("text") or
-                       (choices[0].get("delta") or {}).get("content") or "")
-    return "".join(out)
 
 
 def answer_text(data: dict[str, Any]) -> str:

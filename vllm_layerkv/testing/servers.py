@@ -224,6 +224,24 @@ def stream_completion(
     return first, time.monotonic() - t0, "".join(parts)
 
 
+def stream_text(url: str, path: str, body: Mapping[str, Any], timeout: float = 300.0) -> str:
+    """POST ``body`` with ``stream: true`` to ``url + path`` (``/v1/completions`` or
+    ``/v1/chat/completions``) and return the streamed text, chunks without choices (usage)
+    skipped."""
+    req = urllib.request.Request(url + path, data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    out = []
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choices = json.loads(line[6:]).get("choices") or [{}]
+            out.append(choices[0].get("text") or
+                       (choices[0].get("delta") or {}).get("content") or "")
+    return "".join(out)
+
+
 def serve_command_prefix() -> list[str]:
     """How to invoke ``vllm serve`` with this interpreter.
 
