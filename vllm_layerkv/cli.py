@@ -2,6 +2,7 @@
 
     vllm-layerkv proxy --prefill URL [URL ...] --decode URL [URL ...] --port N
                        [--host 127.0.0.1] [--timeout S] [--routing POLICY] [--log-level LEVEL]
+                       [--api-key KEY [KEY ...]] [--admin-key KEY] [limits: docs/proxy.md]
 
 To add a subcommand: write ``_add_<name>(subparsers, common)`` that registers its arguments and
 sets ``func``, and call it from ``build_parser``.
@@ -72,6 +73,31 @@ def _add_proxy(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
                    help="how each request picks its prefill and its decode instance: "
                         "least-loaded (the fewest requests in flight, ties in turn; default) or "
                         "round-robin")
+    from vllm_layerkv.proxy.config import ProxyConfig
+
+    limits = ProxyConfig()
+    p.add_argument("--api-key", nargs="+", metavar="KEY",
+                   help="clients must send 'Authorization: Bearer KEY' (one of these keys) on "
+                        "every route but /health; default: $LAYERKV_PROXY_API_KEY, else no check")
+    p.add_argument("--admin-key", metavar="KEY",
+                   help="key that unlocks the detailed /health (backend URLs, LayerKV "
+                        "endpoints, errors); default: $LAYERKV_PROXY_ADMIN_KEY, else none")
+    p.add_argument("--max-body-bytes", type=int, default=limits.max_body_bytes, metavar="N",
+                   help=f"largest request body accepted, else 413 (default "
+                        f"{limits.max_body_bytes})")
+    p.add_argument("--max-concurrent-requests", type=int,
+                   default=limits.max_concurrent_requests, metavar="N",
+                   help=f"requests served at once, else 503 with Retry-After (default "
+                        f"{limits.max_concurrent_requests})")
+    p.add_argument("--header-timeout", type=float, default=limits.header_timeout, metavar="S",
+                   help=f"seconds a new connection has to send its first request head, else "
+                        f"it is closed (default {limits.header_timeout:g})")
+    p.add_argument("--body-timeout", type=float, default=limits.body_timeout, metavar="S",
+                   help=f"seconds a request has to send its whole body, else 408 (default "
+                        f"{limits.body_timeout:g})")
+    p.add_argument("--max-json-depth", type=int, default=limits.max_json_depth, metavar="N",
+                   help=f"deepest nesting of arrays and objects in a request body, else 400 "
+                        f"(default {limits.max_json_depth})")
     p.set_defaults(func=_run_proxy)
 
 

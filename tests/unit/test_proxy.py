@@ -19,9 +19,17 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from vllm_layerkv.proxy import PROXY_KEY, build_app, needs_prompt_logprobs, prefill_body
+from vllm_layerkv.proxy import (
+    PROXY_KEY,
+    build_app,
+    needs_prompt_logprobs,
+    prefill_body,
+    start_proxy,
+)
 
 MODEL = "fake-model"
+ADMIN_KEY = "admin-key-for-tests"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}  # the detailed /health
 WAIT_S = 5.0  # upper bound for anything a test waits on: failures fail, they do not hang
 
 Handler = Callable[[web.Request, dict], Awaitable[web.StreamResponse]]
@@ -56,6 +64,7 @@ class FakeBackend:
         self.index = index
         self.kv_endpoint = kv_endpoint  # what the discovery probe answers (None: no field)
         self.requests: list[tuple[str, dict, Any]] = []  # (path, body, headers) non-probe POSTs
+        self.own_requests: list[tuple[str, Any]] = []  # (what, headers): health, models, probes
         self.models_gets = 0
         self.probes = 0
         self.received = asyncio.Event()  # a (non-probe) generation request arrived
@@ -65,7 +74,7 @@ class FakeBackend:
         self.url = ""
 
     async def start(self) -> "FakeBackend":
-        app = web.Application()
+        app = web.Application(client_max_size=64 * 1024 * 1024)  # vLLM has no 1 MiB limit
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/completions", self._generate)
@@ -84,9 +93,11 @@ class FakeBackend:
             await self.runner.cleanup()
 
     async def _health(self, request: web.Request) -> web.Response:
+        self.own_requests.append(("health", request.headers.copy()))
         return web.json_response({})
 
     async def _models(self, request: web.Request) -> web.Response:
+        self.own_requests.append(("models", request.headers.copy()))
         self.models_gets += 1
         return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
 
@@ -94,6 +105,7 @@ class FakeBackend:
         body = await request.json()
         kv = body.get("kv_transfer_params") or {}
         if kv.get("layerkv_discover"):
+            self.own_requests.append(("probe", request.headers.copy()))
             self.probes += 1
             out: dict[str, Any] = {"id": "cmpl-probe", "object": "text_completion",
                                    "model": body["model"],
@@ -146,8 +158,9 @@ class Harness:
                  prefill_urls: list[str] | None = None, decode_urls: list[str] | None = None,
                  kv_endpoints: list[str | None] | None = None, startup_timeout: float = 5.0,
                  prefill_suffix: str = "", first_token_from_prefill: bool = False,
-                 routing: str = "least-loaded", dead_decode_urls: list[str] | None = None
-                 ) -> None:
+                 routing: str = "least-loaded", dead_decode_urls: list[str] | None = None,
+                 **settings: Any) -> None:
+        self.settings = {"admin_key": ADMIN_KEY, **settings}  # more ProxyConfig fields
         self.first_token_from_prefill = first_token_from_prefill
         self.dead_decode_urls = dead_decode_urls or []  # given to the proxy before the fakes
         self.routing = routing
@@ -172,18 +185,16 @@ class Harness:
                                             *(b.url for b in self.decode)]
         self.app = build_app(p_urls, d_urls, startup_timeout=self.startup_timeout,
                              first_token_from_prefill=self.first_token_from_prefill,
-                             routing=self.routing)
+                             routing=self.routing, **self.settings)
         self.proxy = self.app[PROXY_KEY]
-        self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
-        await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
-        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+        self.server = await start_proxy(self.app)  # as `vllm-layerkv proxy` serves it
+        self.url = f"http://127.0.0.1:{self.server.port}"
         self.client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=WAIT_S * 2))
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.client.close()
-        await self.runner.cleanup()
+        await self.server.close()
         for b in self.prefill + self.decode:
             await b.stop()
 
@@ -502,7 +513,7 @@ def test_health_and_models() -> None:
     async def main() -> None:
         async with Harness() as h:
             await h.proxy.wait_ready()  # start-up discovery has run
-            async with h.client.get(h.url + "/health") as r:
+            async with h.client.get(h.url + "/health", headers=ADMIN) as r:
                 out = await r.json()
                 assert r.status == 200, out
             assert out["status"] == "ok"
@@ -519,7 +530,7 @@ def test_health_503_names_dead_backend_and_unreachable_decode_is_502() -> None:
     async def main() -> None:
         dead = f"http://127.0.0.1:{free_port()}"
         async with Harness(decode_urls=[dead], startup_timeout=0.3) as h:
-            async with h.client.get(h.url + "/health") as r:
+            async with h.client.get(h.url + "/health", headers=ADMIN) as r:
                 out = await r.json()
                 assert r.status == 503, out
             assert out["status"] == "unhealthy"
@@ -528,7 +539,9 @@ def test_health_503_names_dead_backend_and_unreachable_decode_is_502() -> None:
             assert out["prefill"][h.prefill[0].url]["healthy"] is True
             status, out = await h.post("/v1/completions", completion())
             assert status == 502, out
-            assert dead in out["error"]["message"] and "unreachable" in out["error"]["message"]
+            # names the role, not the URL (that goes to the proxy's log)
+            assert "decode instance 0" in out["error"]["message"], out
+            assert dead not in out["error"]["message"] and "unreachable" in out["error"]["message"]
             # P's half was cancelled: it never arrived, or its handler was cut off.
             await asyncio.sleep(0.3)
             assert not h.prefill[0].requests or h.prefill[0].cancelled.is_set()
@@ -557,11 +570,11 @@ def test_discovery_without_layerkv_is_a_clear_502() -> None:
             assert status == 502, out
             msg = out["error"]["message"]
             assert "does not run the LayerKV connector as kv_producer" in msg
-            assert h.prefill[0].url in msg
+            assert "prefill instance 0" in msg and h.prefill[0].url not in msg
             assert h.prefill[0].requests == [] and h.decode[0].requests == []
             assert h.prefill[0].probes == 2  # start-up, then once more lazily for the request
             # /health says so too: P is up, but P/D requests through it cannot work
-            async with h.client.get(h.url + "/health") as r:
+            async with h.client.get(h.url + "/health", headers=ADMIN) as r:
                 health = await r.json()
                 assert r.status == 503, health
             assert health["status"] == "unhealthy" and h.prefill[0].url in health["message"]
@@ -599,7 +612,7 @@ def test_health_recovers_once_discovery_succeeds() -> None:
             h.prefill[0].kv_endpoint = "10.0.0.1:7000"  # P now runs LayerKV (restarted)
             status, out = await h.post("/v1/completions", completion())
             assert status == 200, out
-            async with h.client.get(h.url + "/health") as r:
+            async with h.client.get(h.url + "/health", headers=ADMIN) as r:
                 health = await r.json()
                 assert r.status == 200, health
             entry = health["prefill"][h.prefill[0].url]

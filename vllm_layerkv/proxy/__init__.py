@@ -23,6 +23,11 @@ Flow of one ``/v1/completions`` or ``/v1/chat/completions`` request::
 * Requests that need prompt logprobs (``prompt_logprobs``, or ``echo`` + ``logprobs`` on
   ``/v1/completions``) cannot be served by D, which never computes the prompt's logits: they are
   sent unchanged to a prefill instance alone (lm-eval's loglikelihood tasks rely on this).
+* Only the proxy writes ``kv_transfer_params``: a client's are removed on every path. A
+  client's request carries the client's own ``Authorization`` header upstream, or none; the
+  backends' key (``VLLM_API_KEY``) is for the proxy's own requests (discovery, health).
+* Before any of this, a request is admitted from its head (``--api-key``, the concurrency
+  limit) and its body read within limits (size, time, JSON depth): docs/security.md.
 
 Discovery: the proxy learns each prefill instance's LayerKV endpoint by asking it. It fetches a
 model id from ``GET /v1/models`` and sends a 1-token completion with
@@ -32,9 +37,13 @@ also be given explicitly as a URL fragment, ``http://p-host:8100#kv=HOST:PORT``.
 
 Modules:
 
-* ``app``: the aiohttp application (``build_app``, ``run_proxy``): the parts wired together,
-  the routes, the error boundary.
+* ``app``: the aiohttp application (``build_app``, ``start_proxy``, ``run_proxy``): the parts
+  wired together, the routes, the middlewares.
 * ``config``: ``ProxyConfig``, the proxy's settings.
+* ``server``: the listening socket, the deadline on request heads (``HeadDeadline``).
+* ``admission``: the client key check and the concurrency limit.
+* ``auth``: API keys, compared in constant time.
+* ``body_reader``: the client's body, read within the size and time limits.
 * ``backends``: a backend's URL checked, and what the proxy knows of each instance.
 * ``routing``: the pick of P and D per request, the requests each instance has in flight.
 * ``upstream``: the pooled HTTP client to the backends.
@@ -45,7 +54,8 @@ Modules:
   requests) and ``/v1/models``.
 * ``exchange``: one P/D request in flight, and the client's answer made from it.
 * ``first_token_exchange``: the same, answered with P's token first.
-* ``bodies``: the client's body checked, P's and D's derived.
+* ``bodies``: the client's body checked (UTF-8, JSON depth), its ``kv_transfer_params``
+  removed, P's and D's derived.
 * ``first_token``: what ``--first-token-from-prefill`` changes in bodies and answers.
 * ``relay``: D's stream to the client.
 * ``errors``: error answers.
@@ -54,29 +64,42 @@ Modules:
 See docs/proxy.md for usage.
 """
 
-from vllm_layerkv.proxy.app import PROXY_KEY, ProxyApp, build_app, run_proxy
+from vllm_layerkv.proxy.app import (
+    PROXY_KEY,
+    ProxyApp,
+    build_app,
+    config_from_args,
+    run_proxy,
+    start_proxy,
+)
 from vllm_layerkv.proxy.backends import Backend, parse_backend_url
 from vllm_layerkv.proxy.bodies import (
     decode_body,
     needs_prompt_logprobs,
     parse_request_body,
     prefill_body,
+    strip_transfer_params,
 )
 from vllm_layerkv.proxy.config import ProxyConfig
 from vllm_layerkv.proxy.routing import ROUTING_POLICIES, Router
+from vllm_layerkv.proxy.server import ProxyServer
 
 __all__ = [
     "PROXY_KEY",
     "Backend",
     "ProxyApp",
     "ProxyConfig",
+    "ProxyServer",
     "ROUTING_POLICIES",
     "Router",
     "build_app",
+    "config_from_args",
     "decode_body",
     "needs_prompt_logprobs",
     "parse_backend_url",
     "parse_request_body",
     "prefill_body",
     "run_proxy",
+    "start_proxy",
+    "strip_transfer_params",
 ]

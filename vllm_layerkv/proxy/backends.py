@@ -37,12 +37,17 @@ class Backend:
     """Server root, e.g. ``http://10.0.0.5:8100`` (no trailing slash, no fragment)."""
     role: str
     """``"prefill"`` or ``"decode"``."""
+    index: int = 0
+    """Its place in its role's list (``--prefill`` / ``--decode`` order), from 0."""
     kv_endpoint: tuple[str, int] | None = None
     """Prefill only: the LayerKV endpoint D registers with (discovered or overridden)."""
     kv_override: bool = False
     """True when ``kv_endpoint`` came from the URL's ``#kv=HOST:PORT`` fragment."""
     discovery_error: str | None = None
-    """Prefill only: why the last discovery of ``kv_endpoint`` failed (None after a success)."""
+    """Prefill only: why the last discovery of ``kv_endpoint`` failed, in full, with URLs (None
+    after a success); the proxy's log and its detailed ``/health`` show it."""
+    discovery_failure: str | None = None
+    """The same without URLs or backend answers: what clients and the open ``/health`` see."""
     discover_lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
     in_flight: int = 0
     """Requests routed here that this instance has not finished (its ``Router`` counts them)."""
@@ -60,12 +65,19 @@ class Backend:
             logger.info("%s is reachable again", self)
         self.unreachable_until = 0.0
 
+    @property
+    def name(self) -> str:
+        """How answers to clients name this instance: role and number, never its URL."""
+        return f"{self.role} instance {self.index}"
+
     def __str__(self) -> str:
+        """How the proxy's log names this instance."""
         return f"{self.role} {self.url}"
 
 
-def parse_backend_url(text: str, role: str) -> Backend:
-    """Validate a backend URL from the command line or ``build_app``.
+def parse_backend_url(text: str, role: str, index: int = 0) -> Backend:
+    """Validate a backend URL from the command line or ``build_app`` (``index``: its place in
+    its role's list).
 
     Accepts ``http(s)://host:port`` (the server root). Prefill URLs may carry
     ``#kv=HOST:PORT`` to give the LayerKV endpoint explicitly. Raises ValueError with a message
@@ -87,7 +99,7 @@ def parse_backend_url(text: str, role: str) -> Backend:
                          f"({parts.scheme}://{parts.netloc}), without a path such as /v1")
     if port is None:
         logger.warning("%s URL %s has no port; using the scheme's default", role, raw)
-    backend = Backend(url=f"{parts.scheme}://{parts.netloc}", role=role)
+    backend = Backend(url=f"{parts.scheme}://{parts.netloc}", role=role, index=index)
     if parts.fragment:
         if role != "prefill":
             raise ValueError(f"invalid decode URL {text!r}: only prefill URLs take a "

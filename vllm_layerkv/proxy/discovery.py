@@ -5,8 +5,13 @@ The proxy asks the instance: it fetches a model id from ``GET /v1/models`` and s
 completion with ``kv_transfer_params={"layerkv_discover": true}``; the connector answers with
 ``kv_transfer_params={"layerkv_endpoint": "HOST:PORT", ...}``. The endpoint is cached on the
 ``Backend``; one given as ``#kv=HOST:PORT`` in the URL is never asked for. A failed discovery
-is kept as the instance's ``discovery_error`` and retried on the next request that picks the
-instance, or from ``/health`` in the background."""
+is kept as the instance's ``discovery_error`` (in full, for the log and the detailed
+``/health``) and ``discovery_failure`` (without URLs or the backend's answer, for clients), and
+retried on the next request that picks the instance, or from ``/health`` in the background.
+
+Discovery is the proxy's own request: it carries the backends' API key (``VLLM_API_KEY``). A
+client can never ask for it: the proxy removes any ``kv_transfer_params`` a client sends
+(bodies.py)."""
 
 from __future__ import annotations
 
@@ -47,9 +52,9 @@ class Discovery:
                 try:
                     backend.kv_endpoint = await self._discover(backend)
                 except UpstreamError as e:
-                    backend.discovery_error = str(e)
+                    backend.discovery_error, backend.discovery_failure = e.detail, str(e)
                     raise
-                backend.discovery_error = None
+                backend.discovery_error = backend.discovery_failure = None
                 logger.info("%s: LayerKV endpoint %s:%d (discovered)", backend,
                             *backend.kv_endpoint)
             return backend.kv_endpoint
@@ -68,13 +73,16 @@ class Discovery:
         self.background.spawn(attempt())
 
     async def _discover(self, backend: Backend) -> tuple[str, int]:
-        headers = self.upstream.headers(None, f"layerkv-discover-{uuid.uuid4().hex}")
+        headers = self.upstream.own_headers(f"layerkv-discover-{uuid.uuid4().hex}")
         try:
             model = await self._model_id(backend, headers)
             answer = await self._probe(backend, model, headers)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-            raise UpstreamError(backend, f"LayerKV discovery: {backend} is unreachable: "
-                                f"{type(e).__name__}: {e}") from None
+            raise UpstreamError(
+                backend, f"LayerKV discovery: {backend.name} is unreachable "
+                f"({type(e).__name__})",
+                f"LayerKV discovery: {backend} is unreachable: {type(e).__name__}: {e}"
+            ) from None
         host, port = _advertised_endpoint(backend, answer)
         return _reachable_endpoint(backend, host, port)
 
@@ -85,13 +93,18 @@ class Discovery:
                 timeout=aiohttp.ClientTimeout(total=DISCOVERY_TIMEOUT_S)) as r:
             text = await r.text(errors="replace")
             if r.status != 200:
-                raise UpstreamError(backend, f"LayerKV discovery: GET {backend.url}/v1/models "
-                                    f"answered HTTP {r.status}: {text[:500]}")
+                raise UpstreamError(
+                    backend, f"LayerKV discovery: {backend.name} answered GET /v1/models with "
+                    f"HTTP {r.status}",
+                    f"LayerKV discovery: GET {backend.url}/v1/models answered HTTP "
+                    f"{r.status}: {text[:500]}")
         try:
             return json.loads(text)["data"][0]["id"]
         except (ValueError, KeyError, IndexError, TypeError):
-            raise UpstreamError(backend, f"LayerKV discovery: GET {backend.url}/v1/models "
-                                f"returned no model id: {text[:500]}") from None
+            raise UpstreamError(
+                backend, f"LayerKV discovery: {backend.name} listed no model in GET /v1/models",
+                f"LayerKV discovery: GET {backend.url}/v1/models returned no model id: "
+                f"{text[:500]}") from None
 
     async def _probe(self, backend: Backend, model: str, headers: dict[str, str]) -> str:
         """The instance's answer (text) to the 1-token discovery completion."""
@@ -102,9 +115,11 @@ class Discovery:
                 timeout=aiohttp.ClientTimeout(total=DISCOVERY_TIMEOUT_S)) as r:
             text = await r.text(errors="replace")
             if r.status != 200:
-                raise UpstreamError(backend, f"LayerKV discovery probe to {backend.url}"
-                                    f"{COMPLETIONS_PATH} answered HTTP {r.status}: "
-                                    f"{text[:500]}")
+                raise UpstreamError(
+                    backend, f"LayerKV discovery: {backend.name} answered the probe with HTTP "
+                    f"{r.status}",
+                    f"LayerKV discovery probe to {backend.url}{COMPLETIONS_PATH} answered HTTP "
+                    f"{r.status}: {text[:500]}")
         return text
 
 
@@ -119,16 +134,21 @@ def _advertised_endpoint(backend: Backend, answer: str) -> tuple[str, int]:
     if not endpoint or not isinstance(endpoint, str):
         extra = (f" (connector said: {kv['layerkv_error']})"
                  if isinstance(kv, dict) and kv.get("layerkv_error") else "")
-        raise UpstreamError(backend, (
+        remedy = ("Start it with --kv-transfer-config '{\"kv_connector\": \"LayerKV\", "
+                  "\"kv_role\": \"kv_producer\"}', or give the endpoint explicitly")
+        raise UpstreamError(
+            backend, f"{backend.name} does not run the LayerKV connector as kv_producer: its "
+            f"answer to the discovery probe has no kv_transfer_params.layerkv_endpoint. "
+            f"{remedy} by appending #kv=HOST:PORT to its URL in --prefill",
             f"prefill instance {backend.url} does not run the LayerKV connector as "
             f"kv_producer: its answer to the discovery probe has no "
-            f"kv_transfer_params.layerkv_endpoint{extra}. Start it with --kv-transfer-config "
-            f"'{{\"kv_connector\": \"LayerKV\", \"kv_role\": \"kv_producer\"}}', or give the "
-            f"endpoint explicitly as {backend.url}#kv=HOST:PORT"))
+            f"kv_transfer_params.layerkv_endpoint{extra}. {remedy} as "
+            f"{backend.url}#kv=HOST:PORT")
     try:
         return parse_hostport(endpoint, f"layerkv_endpoint from {backend.url}")
     except ValueError as e:
-        raise UpstreamError(backend, str(e)) from None
+        raise UpstreamError(backend, f"LayerKV discovery: {backend.name} advertises an invalid "
+                            "layerkv_endpoint", str(e)) from None
 
 
 def _reachable_endpoint(backend: Backend, host: str, port: int) -> tuple[str, int]:

@@ -185,7 +185,7 @@ class Exchange:
             msg, type_ = failure.error_message()
             await relay.finish_with_error(failure.status, f"prefill failed: {msg}", type_)
         else:
-            await relay.finish_with_error(failure.status, str(failure), "bad_gateway")
+            await relay.finish_with_error(failure.status, failure.report(), "bad_gateway")
         return relay.response
 
     def _finish_prefill_in_background(self) -> None:

@@ -70,7 +70,9 @@ class FirstTokenExchange(Exchange):
         try:
             return PrefillToken.parse(self.p_task.result().body)
         except (ValueError, KeyError, IndexError, TypeError) as e:
-            return UpstreamError(None, f"prefill answer without a token: {e}").response(
+            p = self.p_task.result().backend
+            return UpstreamError(p, f"{p.name} answered without a token",
+                                 f"{p} answered without a token: {e!r}").response(
                 self.out_headers)
 
     async def _prefill_token_alone(self, first: PrefillToken, stream: bool,
@@ -114,8 +116,8 @@ class FirstTokenExchange(Exchange):
         try:
             d_res = await self.d_task
         except UpstreamError as e:
-            d_res = UpstreamReply(e.backend, e.status, encode_json({"error": {
-                "message": str(e), "type": "bad_gateway"}}), "application/json")
+            d_res = UpstreamReply(self.decode, e.status, encode_json({"error": {
+                "message": e.report(), "type": "bad_gateway"}}), "application/json")
         if isinstance(d_res, UpstreamReply):  # D answered with an error after P's token
             msg, type_ = d_res.error_message()
             await StreamRelay.finish(response, d_res.status, f"decode failed: {msg}", type_)

@@ -1,11 +1,13 @@
 """Request orchestration: the proxy's generation endpoints, and ``GET /v1/models``.
 
-Each ``/v1/completions`` or ``/v1/chat/completions`` request is checked (400 with what to
-change), given a fresh transfer_id (what P and D match the KV transfer on), and served by a
-prefill and a decode instance picked independently of each other, with both upstream requests
-sent at the same time; exchange.py (or first_token_exchange.py) answers the client from them.
-A request that needs prompt logprobs, which D never computes, is served by a prefill instance
-alone.
+Each ``/v1/completions`` or ``/v1/chat/completions`` request is read within the body limits
+(body_reader.py), checked (400 with what to change), stripped of any ``kv_transfer_params`` the
+client sent (the proxy writes them), given a fresh transfer_id (what P and D match the KV
+transfer on), and served by a prefill and a decode instance picked independently of each
+other, with both upstream requests sent at the same time; exchange.py (or
+first_token_exchange.py) answers the client from them. A request that needs prompt logprobs,
+which D never computes, is served by a prefill instance alone. Every upstream request carries
+the client's own ``Authorization`` header, or none (upstream.py).
 
 Each request holds its instances (routing.Lease) until they are done with it: D until its
 answer is relayed (or cut off), P until its own request ends, which may be after the handler
@@ -29,7 +31,10 @@ from vllm_layerkv.proxy.bodies import (
     needs_prompt_logprobs,
     parse_request_body,
     prefill_body,
+    strip_transfer_params,
 )
+from vllm_layerkv.proxy.body_reader import read_body
+from vllm_layerkv.proxy.config import ProxyConfig
 from vllm_layerkv.proxy.discovery import Discovery
 from vllm_layerkv.proxy.errors import UpstreamError, UpstreamReply, encode_json
 from vllm_layerkv.proxy.exchange import ClientRequest, Exchange
@@ -39,7 +44,7 @@ from vllm_layerkv.proxy.relay import StreamRelay
 from vllm_layerkv.proxy.routing import Lease, Routers
 from vllm_layerkv.proxy.startup import Startup
 from vllm_layerkv.proxy.tasks import BackgroundTasks, cancel_and_wait
-from vllm_layerkv.proxy.upstream import Upstream
+from vllm_layerkv.proxy.upstream import Upstream, unreachable
 
 logger = init_logger(__name__)
 
@@ -58,8 +63,9 @@ class Orchestrator:
     tracer: Tracer
     """Per-request timestamps (arrival, D's first bytes, end) by transfer_id, for the TTFT
     profile (benchmarks/profile_trace.py); off unless --trace is given."""
-    first_token_from_prefill: bool
-    """Answer eligible requests with P's token first; D continues from it (first_token.py)."""
+    config: ProxyConfig
+    """The body limits, and whether to answer eligible requests with P's token first (D then
+    continues from it, first_token.py)."""
 
     async def handle_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=False)
@@ -73,24 +79,29 @@ class Orchestrator:
         d = lease.backend
         try:
             async with self.upstream.session.get(
-                    d.url + "/v1/models", headers=self.upstream.headers(request, None)) as r:
+                    d.url + "/v1/models", headers=self.upstream.client_headers(request, None)
+            ) as r:
                 body = await r.read()
                 return web.Response(status=r.status, body=body, headers={
                     "Content-Type": r.headers.get("Content-Type", "application/json")})
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             d.mark_unreachable(f"{type(e).__name__}: {e}")
-            raise UpstreamError(d, f"{d} is unreachable: {type(e).__name__}: {e}") from None
+            raise unreachable(d, e) from None
         finally:
             lease.release()
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
-        raw = await request.read()
-        body = parse_request_body(raw, chat)
+        config = self.config
+        raw = await read_body(request, config.max_body_bytes, config.body_timeout)
+        body = parse_request_body(raw, chat, config.max_json_depth)
         tid = uuid.uuid4().hex
+        if strip_transfer_params(body):
+            logger.debug("request %s: the client's kv_transfer_params removed", tid)
+            raw = encode_json(body)
         if needs_prompt_logprobs(body, chat):
             return await self._serve_prefill_only(request, raw, tid)
         first_token = False
-        if self.first_token_from_prefill:
+        if config.first_token_from_prefill:
             why_not = ineligible(body, chat)
             first_token = why_not is None
             if why_not is not None:
@@ -100,12 +111,13 @@ class Orchestrator:
     async def _serve_prefill_only(self, request: web.Request, raw: bytes, tid: str
                                   ) -> web.StreamResponse:
         """Prompt-logprob requests: P computes the prompt's logits, D never does. The client's
-        body goes to P byte for byte, and P's answer back."""
+        body goes to P byte for byte (re-encoded only when its kv_transfer_params were
+        removed), and P's answer back."""
         lease = self.routers.prefill.pick()
         p = lease.backend
         logger.debug("request %s: prompt logprobs -> prefill-only P=%s", tid, p.url)
-        task = asyncio.create_task(self.upstream.post(p, request.path, raw,
-                                                      self.upstream.headers(request, tid), True))
+        task = asyncio.create_task(self.upstream.post(
+            p, request.path, raw, self.upstream.client_headers(request, tid), True))
         relay_task: asyncio.Task[None] | None = None
         try:
             try:
@@ -144,10 +156,8 @@ class Orchestrator:
             return e.response({"X-Request-Id": tid})
         logger.debug("request %s: P=%s D=%s (LayerKV %s:%d) path=%s stream=%s", tid, p.url,
                      d.url, host, port, client.http.path, bool(body.get("stream")))
-        if isinstance(body.get("kv_transfer_params"), dict):
-            logger.debug("request %s: client's kv_transfer_params replaced", tid)
 
-        path, headers = client.http.path, self.upstream.headers(client.http, tid)
+        path, headers = client.http.path, self.upstream.client_headers(client.http, tid)
         self.tracer.event("proxy_in", transfer_id=tid)
         # Both in flight at once: D registers with P while P prefills, and P streams the KV
         # layer group by layer group; waiting for P's answer first would serialise exactly what

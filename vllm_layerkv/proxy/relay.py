@@ -11,6 +11,7 @@ from aiohttp import web
 from vllm_layerkv.common.log import init_logger
 from vllm_layerkv.proxy.backends import Backend
 from vllm_layerkv.proxy.errors import UpstreamError, sse_error
+from vllm_layerkv.proxy.upstream import broke_off
 
 logger = init_logger(__name__)
 
@@ -91,8 +92,7 @@ class StreamRelay:
             if self.edit is not None:
                 await self._write(self.edit.flush(), edited=True)
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            raise UpstreamError(self.backend, f"{self.backend} broke off its response "
-                                f"stream: {e!r}") from None
+            raise broke_off(self.backend, e) from None
         finally:
             if up.content.is_eof():
                 up.release()  # connection back to the pool
@@ -109,7 +109,7 @@ class StreamRelay:
         except UpstreamError as e:
             if self.response is None:
                 return e.response({"X-Request-Id": tid})
-            await self.finish_with_error(502, str(e), "bad_gateway")
+            await self.finish_with_error(502, e.report(), "bad_gateway")
         assert self.response is not None
         return self.response
 

@@ -60,7 +60,7 @@ class Startup:
         next_log = loop.time()
         while True:
             results = await asyncio.gather(*(self.health.check(b) for b in waiting))
-            waiting = [b for b, (ok, _) in zip(waiting, results, strict=True) if not ok]
+            waiting = [b for b, r in zip(waiting, results, strict=True) if not r.healthy]
             now = loop.time()
             if not waiting or now >= deadline:
                 break

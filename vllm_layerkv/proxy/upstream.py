@@ -1,5 +1,10 @@
-"""The proxy's HTTP client to its backends: one pool of connections, the headers every upstream
-request carries, and the POST that hands back either a complete reply or an open stream."""
+"""The proxy's HTTP client to its backends: one pool of connections, the headers upstream
+requests carry, and the POST that hands back either a complete reply or an open stream.
+
+Credentials: a client's request goes upstream with the client's own ``Authorization`` header,
+or with none. The backends' API key (``VLLM_API_KEY``) is only ever sent on the proxy's own
+requests (discovery, health checks): lending it to clients would let anyone who reaches the
+proxy past the backends' ``--api-key``."""
 
 from __future__ import annotations
 
@@ -20,9 +25,9 @@ UPSTREAM_KEEPALIVE_S = 3.0
 class Upstream:
     """The pooled HTTP client (``open`` on start-up, ``close`` on clean-up)."""
 
-    def __init__(self, connect_timeout: float, api_key: str | None) -> None:
+    def __init__(self, connect_timeout: float, backend_api_key: str | None) -> None:
         self.connect_timeout = connect_timeout
-        self.api_key = api_key
+        self._backend_api_key = backend_api_key
         self._session: aiohttp.ClientSession | None = None
 
     def open(self) -> None:
@@ -44,15 +49,24 @@ class Upstream:
         assert self._session is not None, "upstream client used outside a running aiohttp app"
         return self._session
 
-    def headers(self, request: web.Request | None, request_id: str | None) -> dict[str, str]:
-        """The client's Authorization passed through (else the proxy's API key), and the
-        transfer_id as ``X-Request-Id`` so that the backends' logs line up."""
+    def client_headers(self, request: web.Request, request_id: str | None) -> dict[str, str]:
+        """Headers of a client's request to a backend: the client's ``Authorization`` if it
+        sent one (never the backends' key), and the transfer_id as ``X-Request-Id`` so that the
+        backends' logs line up."""
         headers = {"Content-Type": "application/json"}
-        auth = request.headers.get("Authorization") if request is not None else None
+        auth = request.headers.get("Authorization")
         if auth:
             headers["Authorization"] = auth
-        elif self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
+        if request_id:
+            headers["X-Request-Id"] = request_id
+        return headers
+
+    def own_headers(self, request_id: str | None) -> dict[str, str]:
+        """Headers of the proxy's own requests (discovery, health checks): the backends' API
+        key, if any."""
+        headers = {"Content-Type": "application/json"}
+        if self._backend_api_key:
+            headers["Authorization"] = f"Bearer {self._backend_api_key}"
         if request_id:
             headers["X-Request-Id"] = request_id
         return headers
@@ -65,8 +79,7 @@ class Upstream:
             resp = await self.session.post(backend.url + path, data=payload, headers=headers)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             backend.mark_unreachable(f"{type(e).__name__}: {e}")
-            raise UpstreamError(backend, f"{backend} is unreachable: {type(e).__name__}: "
-                                f"{e}") from None
+            raise unreachable(backend, e) from None
         backend.mark_reachable()
         handed_off = False
         try:
@@ -77,8 +90,7 @@ class Upstream:
             return UpstreamReply(backend, resp.status, body, resp.headers.get(
                 "Content-Type", "application/json"))
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            raise UpstreamError(backend, f"{backend} broke off its response: "
-                                f"{type(e).__name__}: {e}") from None
+            raise broke_off(backend, e) from None
         finally:
             if not handed_off:
                 # After a full read this returns the connection to the pool; on cancellation or
@@ -87,3 +99,15 @@ class Upstream:
                     resp.release()
                 else:
                     resp.close()
+
+
+def unreachable(backend: Backend, e: BaseException) -> UpstreamError:
+    """The error of a request that could not reach ``backend``."""
+    return UpstreamError(backend, f"{backend.name} is unreachable ({type(e).__name__})",
+                         f"{backend} is unreachable: {type(e).__name__}: {e}")
+
+
+def broke_off(backend: Backend, e: BaseException) -> UpstreamError:
+    """The error of a response that ``backend`` did not finish."""
+    return UpstreamError(backend, f"{backend.name} broke off its response ({type(e).__name__})",
+                         f"{backend} broke off its response: {type(e).__name__}: {e!r}")
