@@ -238,7 +238,8 @@ def test_keys_from_options_and_environment() -> None:
     config = config_from_args(args, env)
     assert config.backend_api_key == "backend"
     assert config.api_keys == ("client",) and config.admin_key == "admin"
-    assert config_from_args(args, {"VLLM_API_KEY": "backend"}).api_keys == ()  # the backend key never serves clients
+    # the backend key never serves clients
+    assert config_from_args(args, {"VLLM_API_KEY": "backend"}).api_keys == ()
     args = parser.parse_args(["proxy", "--prefill", "http://127.0.0.1:8100", "--decode",
                               "http://127.0.0.1:8200", "--port", "8000", "--api-key", "a", "b",
                               "--admin-key", "c", "--max-body-bytes", "1000",
