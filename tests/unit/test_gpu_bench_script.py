@@ -2,11 +2,14 @@
 its results packed, so a run that hits its time limit still keeps what it measured, and the
 servers it left behind are stopped, but no one else's. Runs the script with stand-ins for
 nvidia-smi and python3 (a benchmark that starts a "server" in a session of its own, as vLLM
-servers are started, and never ends)."""
+servers are started, and never ends). Also: MODEL is required, the extra vLLM flags and the
+command file, and the two sweeps (sweep_slow_links.sh, sweep_four_gpus.sh): their commands,
+checked against ttft_bench.py's parser and layouts, and their time limit."""
 
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
 import tarfile
@@ -14,6 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from benchmark_scripts import load
 
 ROOT = Path(__file__).resolve().parents[2]
 # a process whose command line looks like a vLLM server's to pgrep -f
@@ -27,6 +32,17 @@ def alive(pid: int) -> bool:
         return False
     # a zombie (exited, not yet reaped by its parent) is gone too
     return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> Path:
+    """A model directory as MODEL names one: a config.json and tokenizer files."""
+    path = tmp_path / "llama8b"
+    path.mkdir()
+    (path / "config.json").write_text('{"num_hidden_layers": 32}')
+    (path / "tokenizer.json").write_text("{}")
+    (path / "tokenizer_config.json").write_text("{}")
+    return path
 
 
 @pytest.fixture
@@ -48,10 +64,11 @@ def fake_bin(tmp_path: Path) -> Path:
 
 
 def test_a_benchmark_past_its_deadline_is_stopped_and_still_packed(tmp_path: Path,
-                                                                     fake_bin: Path) -> None:
+                                                                     fake_bin: Path,
+                                                                     model: Path) -> None:
     out, bench = tmp_path / "out", tmp_path / "bench"
     env = {**os.environ, "PATH": f"{fake_bin}:{os.environ['PATH']}", "OUT": str(out),
-           "BENCH": str(bench), "RUN": "r1", "BENCH_TIMEOUT": "2", "MODEL": "/nonexistent"}
+           "BENCH": str(bench), "RUN": "r1", "BENCH_TIMEOUT": "2", "MODEL": str(model)}
     # someone else's server on the same machine (another run, a test cluster)
     outsider = subprocess.Popen(["bash", "-c", SERVER.split(" ", 2)[2].strip("'")],
                                 start_new_session=True)
@@ -80,7 +97,8 @@ def test_a_benchmark_past_its_deadline_is_stopped_and_still_packed(tmp_path: Pat
         assert "./r1/summary.json" in tar.getnames()
 
 
-def test_pyspy_probes_sample_their_point_and_do_not_outlive_the_benchmark(tmp_path: Path) -> None:
+def test_pyspy_probes_sample_their_point_and_do_not_outlive_the_benchmark(tmp_path: Path,
+                                                                         model: Path) -> None:
     """PYSPY + PYSPY_POINTS: a probe records over the point that ran (its output comes back in
     the run's folder); a probe whose point never ran is stopped when the benchmark ends instead
     of waiting its 10 minutes for it."""
@@ -106,7 +124,7 @@ def test_pyspy_probes_sample_their_point_and_do_not_outlive_the_benchmark(tmp_pa
         (bin_dir / name).chmod(0o755)
     out = tmp_path / "out"
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(out),
-           "BENCH": str(tmp_path / "bench"), "RUN": "r1", "MODEL": "/nonexistent",
+           "BENCH": str(tmp_path / "bench"), "RUN": "r1", "MODEL": str(model),
            "PYSPY": str(bin_dir / "py-spy"), "PYSPY_POINTS": "pt1 pt2", "PYSPY_SECONDS": "30"}
     started = time.monotonic()
     r = subprocess.run(["bash", "benchmarks/gpu_bench.sh", "layerkv", "--"], cwd=ROOT, env=env,
@@ -120,3 +138,172 @@ def test_pyspy_probes_sample_their_point_and_do_not_outlive_the_benchmark(tmp_pa
     left = subprocess.run(["pgrep", "-f", f"pyspy_probe.sh {bin_dir}"], capture_output=True,
                           text=True).stdout.split()
     assert not left, f"probes left running: {left}"
+
+
+def recording_bin(tmp_path: Path, gpus: int = 2) -> Path:
+    """Stand-ins that only record: python3 appends its arguments, one per line, then a
+    separator, to $CALLS; nvidia-smi lists ``gpus`` GPUs."""
+    bin_dir = tmp_path / "rbin"
+    bin_dir.mkdir()
+    listing = "; ".join(f'echo "GPU {i}: fake"' for i in range(gpus))
+    scripts = {
+        "nvidia-smi": f'if [ "$1" = -L ]; then {listing}; else echo "fake, 1 MiB"; fi',
+        "python3": 'printf "%s\\n" "$@" >> "$CALLS"; echo "----" >> "$CALLS"',
+    }
+    for name, body in scripts.items():
+        (bin_dir / name).write_text("#!/bin/bash\n" + body + "\n")
+        (bin_dir / name).chmod(0o755)
+    return bin_dir
+
+
+def calls(path: Path) -> list[list[str]]:
+    if not path.exists():
+        return []
+    return [c.strip("\n").split("\n") for c in path.read_text().split("----\n") if c.strip()]
+
+
+def test_model_is_required_and_must_hold_a_config(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "MODEL"}
+    env.update(OUT=str(tmp_path / "out"), BENCH=str(tmp_path / "bench"))
+    for model in (None, str(tmp_path / "nowhere")):
+        run_env = env if model is None else {**env, "MODEL": model}
+        for script in ("gpu_bench.sh", "sweep_slow_links.sh", "sweep_four_gpus.sh"):
+            r = subprocess.run(["bash", f"benchmarks/{script}", "single", "--"], cwd=ROOT,
+                               env=run_env, capture_output=True, text=True, timeout=30)
+            assert r.returncode == 2, (script, r.stdout, r.stderr)
+            assert "set MODEL to a model directory with Llama-3.1-8B's config.json" in r.stderr
+    assert not (tmp_path / "bench").exists()  # nothing was started or written
+
+
+def test_extra_vllm_flags_reach_ttft_bench_and_the_command_is_kept(tmp_path: Path,
+                                                                    model: Path) -> None:
+    out = tmp_path / "out"
+    env = {**os.environ, "PATH": f"{recording_bin(tmp_path)}:{os.environ['PATH']}",
+           "OUT": str(out), "BENCH": str(tmp_path / "bench"), "RUN": "r1", "MODEL": str(model),
+           "CALLS": str(tmp_path / "calls"), "VLLM_ARGS": "--block-size 32",
+           "TP_VLLM_ARGS": "--enforce-eager --disable-custom-all-reduce"}
+    r = subprocess.run(["bash", "benchmarks/gpu_bench.sh", "single", "layerkv-tp2-tp1", "--",
+                        "--prompt-lens", "8192"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (argv,) = calls(tmp_path / "calls")
+    assert argv[0] == "benchmarks/ttft_bench.py"
+    assert "--vllm-args=--block-size 32" in argv
+    assert "--tp-vllm-args=--enforce-eager --disable-custom-all-reduce" in argv
+    args = load("ttft_bench").parse_args(argv[1:])
+    assert args.num_gpus == 2 and args.model == str(model) and args.prompt_lens == [8192]
+    assert args.tp_vllm_args == "--enforce-eager --disable-custom-all-reduce"
+    kept = (out / "r1" / "command.txt").read_text()
+    assert "--tp-vllm-args=--enforce-eager\\ --disable-custom-all-reduce" in kept
+    assert kept.startswith("python3 benchmarks/ttft_bench.py --device cuda")
+
+
+def test_model_config_is_served_with_model_s_tokenizer(tmp_path: Path, model: Path) -> None:
+    bench = tmp_path / "bench"
+    env = {**os.environ, "PATH": f"{recording_bin(tmp_path)}:{os.environ['PATH']}",
+           "OUT": str(tmp_path / "out"), "BENCH": str(bench), "RUN": "r1", "MODEL": str(model),
+           "CALLS": str(tmp_path / "calls"), "MODEL_CONFIG": "benchmarks/gpu_models/nemotronh8b"}
+    r = subprocess.run(["bash", "benchmarks/gpu_bench.sh", "single", "--"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    built = bench / "models" / "nemotronh8b"
+    assert sorted(p.name for p in built.iterdir()) == [
+        "config.json", "tokenizer.json", "tokenizer_config.json"]
+    assert (built / "config.json").read_text() == (
+        ROOT / "benchmarks" / "gpu_models" / "nemotronh8b" / "config.json").read_text()
+    (argv,) = calls(tmp_path / "calls")
+    assert argv[argv.index("--model") + 1] == str(built)
+
+
+def sweep_commands(script: str, tmp_path: Path, model: Path) -> list[list[str]]:
+    out = tmp_path / script
+    env = {**os.environ, "OUT": str(out), "MODEL": str(model), "DRY_RUN": "1"}
+    r = subprocess.run(["bash", f"benchmarks/{script}"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = (out / "commands.txt").read_text().splitlines()
+    assert all(line.startswith("# ") for line in lines[::2])
+    return [shlex.split(line) for line in lines[1::2]]
+
+
+def bench_runs(commands: list[list[str]]) -> list[tuple[str, list[str], list[str]]]:
+    """(RUN, configurations, ttft_bench.py options) of each gpu_bench.sh command."""
+    runs = []
+    for cmd in commands:
+        if "benchmarks/gpu_bench.sh" not in cmd:
+            continue
+        env = dict(word.split("=", 1) for word in cmd[1:cmd.index("bash")])
+        rest = cmd[cmd.index("benchmarks/gpu_bench.sh") + 1:]
+        cut = rest.index("--")
+        runs.append((env["RUN"], rest[:cut], rest[cut + 1:]))
+    return runs
+
+
+def check_runs(runs: list[tuple[str, list[str], list[str]]], model: Path, gpus: int) -> None:
+    """Every configuration parses and fits the host, and every option is ttft_bench.py's."""
+    ttft_bench = load("ttft_bench")
+    for _, configs, options in runs:
+        args = ttft_bench.parse_args(["--device", "cuda", "--model", str(model), "--configs",
+                                      *configs, "--out", "/tmp/x", "--num-gpus", str(gpus),
+                                      *options])
+        for name in configs:
+            ttft_bench.layout(ttft_bench.parse_config(name), gpus, args.decode_first_gpu)
+        parsed = [ttft_bench.parse_config(c) for c in configs]
+        assert ttft_bench.order_for_capacity(parsed, args) == parsed  # single already first
+
+
+def test_the_slow_link_sweep_runs_the_probe_first_then_its_benchmarks_in_order(
+        tmp_path: Path, model: Path) -> None:
+    commands = sweep_commands("sweep_slow_links.sh", tmp_path, model)
+    assert [c for c in commands[0] if c.endswith(".py")] == ["benchmarks/link_probe.py"]
+    assert "UCX_TLS=tcp,cuda_copy,self" in commands[1]
+    runs = bench_runs(commands)
+    assert [(run, configs) for run, configs, _ in runs] == [
+        ("02_c1_links", ["single", "layerkv-tcp", "layerkv-tcp-100g", "layerkv-tcp-50g",
+                         "layerkv-tcp-25g", "layerkv-tcp-10g", "layerkv-nixl-tcp",
+                         "nixl-tcp"]),
+        ("03_c1_auth", ["layerkv", "layerkv-auth", "layerkv-tcp", "layerkv-tcp-auth"]),
+        ("04_rates_cuda_ipc", ["single", "single-x2", "layerkv"])]
+    check_runs(runs, model, gpus=2)
+    c1 = runs[0][2]
+    probes = c1[c1.index("--link-probe") + 1:]
+    assert probes == [commands[0][commands[0].index("--out") + 1],
+                      commands[1][commands[1].index("--out") + 1]]
+    rates = runs[2][2]
+    assert rates[rates.index("--rates") + 1] == "0.5x,0.7x,0.9x"
+    assert [c for c in commands[-2] if c.endswith(".py")] == ["benchmarks/plot_link_rates.py"]
+
+
+def test_the_four_gpu_sweep_places_d_on_gpus_2_and_3(tmp_path: Path, model: Path) -> None:
+    commands = sweep_commands("sweep_four_gpus.sh", tmp_path, model)
+    runs = bench_runs(commands)
+    assert [run for run, _, _ in runs] == ["01_tp_layouts", "02_scale_out"]
+    check_runs(runs, model, gpus=4)
+    for cmd in commands[:2]:
+        assert "TP_VLLM_ARGS=--disable-custom-all-reduce" in cmd
+        assert cmd[cmd.index("--decode-first-gpu") + 1] == "2"
+    tp, scale = runs
+    assert tp[1][:4] == ["single", "layerkv-tp2-tp1", "layerkv-tp1-tp2", "layerkv-tp2-tp2"]
+    assert {"nixl-tp2-tp1", "nixl-tp1-tp2", "nixl-tp2-tp2", "layerkv-tp4-tp2"} <= set(tp[1])
+    assert scale[1] == ["single", "layerkv-2p-tp1-tp2", "layerkv-tp1-tp2", "single-x4",
+                        "layerkv-router-2p-tp1-tp2", "layerkv-router-tp1-tp2"]
+
+
+def test_a_sweep_short_of_time_skips_the_steps_that_do_not_fit(tmp_path: Path,
+                                                               model: Path) -> None:
+    """390 s: both probes and the plots fit, none of the benchmark runs does."""
+    out = tmp_path / "out"
+    env = {**os.environ, "PATH": f"{recording_bin(tmp_path)}:{os.environ['PATH']}",
+           "OUT": str(out), "MODEL": str(model), "CALLS": str(tmp_path / "calls"),
+           "SWEEP_TIMEOUT": "390", "SWEEP_MARGIN": "0", "BENCH": str(tmp_path / "bench")}
+    r = subprocess.run(["bash", "benchmarks/sweep_slow_links.sh"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    scripts = [argv[0] for argv in calls(tmp_path / "calls")]
+    assert scripts == ["benchmarks/link_probe.py", "benchmarks/link_probe.py",
+                       "benchmarks/plot_link_rates.py", "benchmarks/plot_results.py"]
+    log = (out / "sweep.log").read_text()
+    for run in ("02_c1_links", "03_c1_auth", "04_rates_cuda_ipc"):
+        assert f"{run}: skipped" in log
+    ran = (out / "commands.txt").read_text()
+    assert "gpu_bench.sh" not in ran and ran.count("link_probe.py") == 2

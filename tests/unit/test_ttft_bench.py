@@ -126,7 +126,7 @@ def test_a_configuration_that_does_not_start_is_recorded_and_the_next_one_runs(
             raise ServerError("single exited with rc=1 during start-up")
         return "http://127.0.0.1:1", []
 
-    def measure(config, url, decoder, args, runner, identity, res, save, groups):
+    def measure(config, url, decoder, args, runner, identity, res, save, groups, capacity):
         res["measured_at"] = url
         return True
 
@@ -216,7 +216,8 @@ def deploy_args(**changes: object) -> argparse.Namespace:
         "device": "cpu", "num_gpus": 2, "gpu_memory_utilization": 0.85, "load_format": None,
         "model": "/m", "cuda_graphs": False, "dtype": None, "max_model_len": 2048,
         "max_num_batched_tokens": None, "max_num_seqs": 8, "no_prefix_caching": False,
-        "trace": False, "kv_cache_dtype": None, **changes})
+        "trace": False, "kv_cache_dtype": None, "decode_first_gpu": None, "vllm_args": "",
+        "tp_vllm_args": "", **changes})
 
 
 def test_layerkv_ft_runs_the_proxy_with_the_first_token_from_prefill(tmp_path) -> None:
@@ -349,3 +350,449 @@ def test_layerkv_router_puts_vllm_router_in_front_of_prefill_and_decode(
     else:
         assert prefill == [p.url] and "bootstrap_port" not in p_extra
     assert ttft_bench.parse_config(f"{config}-tp2-tp1").family == config
+
+
+# ----------------------------------------------------------------- open-loop rate points
+
+open_loop = load("open_loop")
+ideal_ttft = load("ideal_ttft")
+
+
+def test_rates_parse_as_requests_per_second_or_fractions_of_capacity() -> None:
+    rates = open_loop.parse_rates("0.5x,0.7x, 2.5")
+    assert [(r.value, r.of_capacity, r.label) for r in rates] == [
+        (0.5, True, "0.5x"), (0.7, True, "0.7x"), (2.5, False, "2.5rps")]
+    assert rates[0].per_second(8.0) == 4.0 and rates[2].per_second(None) == 2.5
+    with pytest.raises(ValueError, match="not known: run 'single' first or give --capacity"):
+        rates[1].per_second(None)
+    for bad in ("0x", "-1", "fast", "1.5y", "", "nanx"):
+        with pytest.raises(argparse.ArgumentTypeError, match="positive number"):
+            open_loop.parse_rates(bad)
+    assert open_loop.rate_shape("4096:128:200") == (4096, 128, 200)
+    with pytest.raises(argparse.ArgumentTypeError, match="IN:OUT:N"):
+        open_loop.rate_shape("4096:128")
+
+
+def test_percentiles_are_numpy_s() -> None:
+    values = [float(v) for v in np.random.default_rng(3).exponential(100, 57)]
+    for p in (0, 1, 50, 90, 99, 100):
+        assert open_loop.percentile(values, p) == pytest.approx(np.percentile(values, p))
+
+
+def detailed(ttfts: list[float], latencies: list[float], output_lens: list[int],
+             errors: list[str], duration: float) -> dict:
+    """What vllm bench serve --save-detailed writes: every request in ttfts, latencies and
+    errors, the successful ones only in output_lens."""
+    return {"ttfts": ttfts, "latencies": latencies, "output_lens": output_lens,
+            "errors": errors, "duration": duration,
+            "start_times": [0.5 * i for i in range(len(ttfts))]}
+
+
+def test_goodput_counts_requests_that_meet_both_objectives_from_per_request_data() -> None:
+    """TPOT per request is (latency - TTFT) / (output tokens - 1); a failed request is listed
+    in ttfts but not in output_lens, so the lists are aligned on the successful ones."""
+    result = detailed(
+        ttfts=[0.2, 0.0, 0.9, 1.5, 0.3, 0.1],
+        latencies=[1.2, 0.0, 1.9, 2.5, 5.3, 0.1],
+        output_lens=[101, 101, 101, 101, 1],  # the second request failed
+        errors=["", "connection reset", "", "", "", ""], duration=4.0)
+    # TPOTs: 10, 10, 10, 50 ms; the last has one token (judged by its TTFT only)
+    served = open_loop.per_request(result)
+    assert [(r.ttft_s, r.tpot_s) for r in served] == [
+        (0.2, pytest.approx(0.01)), (0.9, pytest.approx(0.01)), (1.5, pytest.approx(0.01)),
+        (0.3, pytest.approx(0.05)), (0.1, None)]
+    # TTFT <= 1000 ms and TPOT <= 25 ms: the first, second and fifth
+    assert open_loop.goodput(served, 4.0, 1000, 25) == (3, 0.75)
+    point = open_loop.summarize_rate(result, 1.5, 1000, 25)
+    assert point["completed"] == 5 and point["failed"] == 1 and point["good"] == 3
+    assert point["goodput"] == 0.75 and point["achieved_rate"] == 1.25
+    assert point["offered_rate"] == 2.0  # six arrivals 0.5 s apart
+    assert point["ttft_ms"]["p50"] == 300.0 and point["ttft_ms"]["p99"] == pytest.approx(1476.0)
+    assert point["tpot_ms"]["p50"] == 10.0 and point["tpot_ms"]["p99"] == pytest.approx(48.8)
+    # the mean of the TTFTs would hide what goodput counts: the slowest three are over 0.3 s
+    assert point["ttft_ms"]["mean"] == pytest.approx(600.0)
+
+
+def test_per_request_data_is_required_and_must_line_up() -> None:
+    with pytest.raises(ValueError, match="--save-detailed"):
+        open_loop.per_request({"ttfts": [0.1], "duration": 1.0})
+    # a result without latencies: TTFT plus the gaps between its tokens
+    gaps_only = {"ttfts": [0.1, 0.2], "itls": [[0.01] * 10, []], "output_lens": [11, 1],
+                 "errors": ["", ""]}
+    served = open_loop.per_request(gaps_only)
+    assert served[0].tpot_s == pytest.approx(0.01) and served[1].tpot_s is None
+    with pytest.raises(ValueError, match="2 output lengths for 1 successful"):
+        open_loop.per_request(detailed([0.1, 0.2], [1, 1], [5, 5], ["", "boom"], 1.0))
+
+
+def test_the_rate_log_line_is_what_plot_results_reads(tmp_path) -> None:
+    result = detailed([0.2, 0.4], [1.2, 1.4], [11, 11], ["", ""], 2.0)
+    point = open_loop.summarize_rate(result, 1.0, 1000, 150)
+    line = "[bench 12:00:00] layerkv " + open_loop.one_line("0.5x", point)
+    (tmp_path / "bench.log").write_text(line + "\n")
+    plot_results = load("plot_results")
+    table = plot_results.collect([tmp_path])
+    assert table["rates"] == {"layerkv": {"0.5x": {
+        "request_rate": 1.0, "offered_rate": 2.0, "ttft_p50_ms": 300.0, "ttft_p90_ms": 380.0,
+        "ttft_p99_ms": 398.0, "tpot_p50_ms": 100.0, "tpot_p99_ms": 100.0,
+        "achieved_rate": 1.0, "goodput": 1.0}}}
+    assert "| layerkv | 0.5x | 1.00 | 300.0 / 380.0 / 398.0 | 100.00 / 100.00 | 1.00 | 1.00 |" \
+        in plot_results.markdown(table)
+
+
+# ----------------------------------------------------------------- ideal TTFT
+
+
+def test_ideal_ttft_is_the_single_instance_until_the_link_is_slower_than_the_prefill() -> None:
+    # 8K tokens of Llama-3.1-8B KV: 1.07 GB; single 254 ms, of which 20 ms fixed overhead
+    kv = 8192 * 131072
+    fast = ideal_ttft.ideal_ttft_ms(254.0, 20.0, kv, 100.0)  # 10.7 ms on the link
+    assert fast == 254.0
+    slow = ideal_ttft.ideal_ttft_ms(254.0, 20.0, kv, 1.25)  # 10 Gb/s: 859 ms on the link
+    assert slow == pytest.approx(20.0 + kv / 1.25e9 * 1e3)
+
+
+def test_the_link_of_a_configuration_is_its_probed_transport_capped_by_its_pacing() -> None:
+    probe = [{"transport": "tcp", "ok": True, "gbps": 4.0, "ucx_tls": None},
+             {"transport": "nixl", "ok": True, "gbps": 20.0, "ucx_tls": None},
+             {"transport": "nixl", "ok": True, "gbps": 2.5, "ucx_tls": "tcp,cuda_copy,self"},
+             {"transport": "cuda_ipc", "ok": False, "error": "x", "ucx_tls": None}]
+    assert ideal_ttft.link_rate("tcp", None, 0.0, probe) == (4.0, "tcp, probed")
+    assert ideal_ttft.link_rate("tcp", None, 10.0, probe) == (1.25, "tcp paced to 10 Gb/s")
+    assert ideal_ttft.link_rate("tcp", None, 100.0, probe)[0] == 4.0  # the link is slower
+    assert ideal_ttft.link_rate("nixl", "tcp,cuda_copy,self", 0.0, probe)[0] == 2.5
+    assert ideal_ttft.link_rate("nixl", None, 0.0, probe)[0] == 20.0
+    assert ideal_ttft.link_rate("cuda_ipc", None, 0.0, probe) == (None, "cuda_ipc, not probed")
+
+
+def summary_for_ideal(tmp_path: Path) -> tuple[dict, argparse.Namespace]:
+    model = tmp_path / "model"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text(json.dumps({
+        "num_hidden_layers": 32, "num_key_value_heads": 8, "num_attention_heads": 32,
+        "hidden_size": 4096}))
+    probe = tmp_path / "probe.json"
+    probe.write_text(json.dumps({"results": [
+        {"transport": "tcp", "ok": True, "gbps": 4.0, "ucx_tls": None},
+        {"transport": "cuda_ipc", "ok": True, "gbps": 150.0, "ucx_tls": None}]}))
+    results = {
+        "single": {"c1_in8192": {"median_ttft_ms": 254.0}, "c1_in16000": {"median_ttft_ms": 544.0},
+                   "overhead": {"median_ttft_ms": 20.0}},
+        "layerkv": {"c1_in8192": {"median_ttft_ms": 260.0}, "c1_in16000": {"median_ttft_ms": 560.0},
+                    "transport_used": "cuda_ipc"},
+        "layerkv-tcp-10g": {"c1_in8192": {"median_ttft_ms": 1000.0},
+                            "transport_used": "tcp"},
+        "single-x2": {"c1_in8192": {"median_ttft_ms": 250.0}}}
+    args = argparse.Namespace(prompt_lens=[8192, 16000], model=str(model), dtype="bfloat16",
+                              kv_cache_dtype=None, link_probe=[probe], device="cuda")
+    return {"results": results}, args
+
+
+def test_ideal_report_per_configuration_and_prompt_length(tmp_path) -> None:
+    summary, args = summary_for_ideal(tmp_path)
+    configs = [ttft_bench.parse_config(n) for n in summary["results"]]
+    report = ttft_bench.ideal_report(summary, configs, args)
+    assert report["kv_token_bytes"] == 131072 and report["overhead_ms"] == 20.0
+    assert set(report["configs"]) == {"layerkv", "layerkv-tcp-10g"}  # P/D ones only
+    ipc = report["configs"]["layerkv"]
+    assert ipc["link_gbps"] == 150.0
+    assert ipc["points"][8192]["ideal_ttft_ms"] == 254.0  # the link hides behind the prefill
+    assert ipc["points"][16000]["ratio"] == round(560 / 544, 3)
+    paced = report["configs"]["layerkv-tcp-10g"]
+    assert paced["link_gbps"] == 1.25 and paced["paced_gbps"] == 10.0
+    row = paced["points"][8192]
+    assert row["kv_bytes"] == 8192 * 131072
+    assert row["ideal_ttft_ms"] == pytest.approx(20.0 + 8192 * 131072 / 1.25e6, abs=0.01)
+    assert row["ratio"] == pytest.approx(1000.0 / row["ideal_ttft_ms"], abs=0.001)
+    assert 16000 not in paced["points"]  # not measured
+
+
+def test_no_ideal_without_a_single_instance_or_a_model_shape(tmp_path) -> None:
+    summary, args = summary_for_ideal(tmp_path)
+    del summary["results"]["single"]
+    configs = [ttft_bench.parse_config("layerkv")]
+    assert ttft_bench.ideal_report(summary, configs, args)["configs"]["layerkv"]["points"] == {}
+    summary, args = summary_for_ideal(tmp_path / "again")
+    args.model = str(tmp_path / "nowhere")
+    report = ttft_bench.ideal_report(summary, configs, args)
+    assert report["kv_token_bytes"] is None and "no KV size per token" in report["note"]
+
+
+# ----------------------------------------------------------------- configurations and layouts
+
+
+def test_new_configuration_names_parse() -> None:
+    paced = ttft_bench.parse_config("layerkv-tcp-10g")
+    assert (paced.family, paced.pacing_gbps, paced.pd) == ("layerkv-tcp", 10.0, True)
+    assert ttft_bench.parse_config("layerkv-tcp-2.5g").pacing_gbps == 2.5
+    two = ttft_bench.parse_config("layerkv-router-2p-tp1-tp2")
+    assert (two.family, two.prefills, two.p_tp, two.d_tp) == ("layerkv-router", 2, 1, 2)
+    assert ttft_bench.parse_config("nixl-2p").prefills == 2
+    agg = ttft_bench.parse_config("single-x2")
+    assert (agg.family, agg.instances, agg.pd) == ("aggregated", 2, False)
+    assert ttft_bench.parse_config("layerkv-tcp-auth").family == "layerkv-tcp-auth"
+    for bad, why in [("layerkv-10g", "use it on layerkv-tcp"), ("nixl-tcp-10g", "layerkv-tcp"),
+                     ("single-x1", "N >= 2"), ("single-2p", "unknown configuration"),
+                     ("layerkv-0p", "at least one"), ("layerkv-unstaged", "TP suffix"),
+                     ("layerkv-tcp-0g", "positive rate"), ("layerkv-tp0-tp1", "1 or more")]:
+        with pytest.raises(SystemExit, match=why):
+            ttft_bench.parse_config(bad)
+
+
+def gpus_of(name: str, num_gpus: int = 4, decode_first: int | None = 2) -> list:
+    return [(i.label, i.visible, i.shared) for i in ttft_bench.layout(
+        ttft_bench.parse_config(name), num_gpus, decode_first)]
+
+
+def test_four_gpu_layouts_put_d_on_gpus_of_its_own() -> None:
+    """--decode-first-gpu 2 on four GPUs: the mismatched-TP layouts and the scale-out ones."""
+    assert gpus_of("layerkv-tp2-tp1") == [("prefill", "0,1", False), ("decode", "2", False)]
+    assert gpus_of("layerkv-tp1-tp2") == [("prefill", "0", False), ("decode", "2,3", False)]
+    assert gpus_of("nixl-tp2-tp2") == [("prefill", "0,1", False), ("decode", "2,3", False)]
+    assert gpus_of("layerkv-tp4-tp2") == [("prefill", "0,1,2,3", True), ("decode", "2,3", True)]
+    assert gpus_of("layerkv-2p-tp1-tp2") == [("prefill", "0", False), ("prefill-1", "1", False),
+                                             ("decode", "2,3", False)]
+    assert gpus_of("layerkv-router-2p-tp1-tp2") == gpus_of("layerkv-2p-tp1-tp2")
+    assert gpus_of("single-x4") == [("single", "0", False), ("single-1", "1", False),
+                                    ("single-2", "2", False), ("single-3", "3", False)]
+    assert gpus_of("single") == [("single", "0", False)]
+    # without --decode-first-gpu: D after the prefill instances' GPUs, as before
+    assert gpus_of("layerkv-tp1-tp2", decode_first=None) == [("prefill", "0", False),
+                                                            ("decode", "1,2", False)]
+    assert gpus_of("layerkv-2p-tp1-tp2", decode_first=None)[-1] == ("decode", "2,3", False)
+    assert gpus_of("layerkv", 2, None) == [("prefill", "0", False), ("decode", "1", False)]
+    assert gpus_of("layerkv", 1, None) == [("prefill", "0", True), ("decode", "0", True)]
+
+
+def test_layouts_the_machine_cannot_hold_are_refused() -> None:
+    for name, gpus, first, why in [
+            ("single-x4", 2, None, "4 instances need 4 GPUs"),
+            ("layerkv-3p-tp1-tp1", 2, None, "3 prefill instances of TP 1 need 3 GPUs"),
+            ("layerkv-tp1-tp2", 4, 3, "--decode-first-gpu 3"),
+            ("layerkv-tp4-tp2", 2, None, "TP 4 needs 4 GPUs")]:
+        with pytest.raises(SystemExit, match=why):
+            ttft_bench.layout(ttft_bench.parse_config(name), gpus, first)
+
+
+def test_cpu_binds_of_several_instances() -> None:
+    assert ttft_bench.cpu_bind("single", 1) == "0-1"
+    assert [ttft_bench.cpu_bind("single", 1, i, 2) for i in range(2)] == ["0", "1"]
+    assert [ttft_bench.cpu_bind("prefill", 1, i, 2) for i in range(2)] == ["0", "1"]
+    assert ttft_bench.cpu_bind("decode", 2) == "0|1"
+
+
+def test_pacing_auth_and_flags_reach_the_servers(tmp_path) -> None:
+    args = deploy_args(vllm_args="--block-size 32", tp_vllm_args="--disable-custom-all-reduce")
+    paced = ttft_bench.deploy(ttft_bench.parse_config("layerkv-tcp-10g-tp2-tp1"), args, tmp_path)
+    p, d = paced.servers
+    for s in (p, d):
+        extra = s.kv_transfer_config["kv_connector_extra_config"]
+        assert extra["tcp_pacing_gbps"] == 10.0 and extra["transport"] == "tcp"
+        assert "--block-size" in s.command()
+    assert p.command()[-1] == "--disable-custom-all-reduce"  # P has TP2
+    assert "--disable-custom-all-reduce" not in d.command()  # D has TP1
+    auth = ttft_bench.deploy(ttft_bench.parse_config("layerkv-auth"),
+                             deploy_args(dtype="float32"), tmp_path)
+    secrets_seen = {s.extra_env["LAYERKV_AUTH_SECRET"] for s in auth.servers}
+    assert len(secrets_seen) == 1 and len(secrets_seen.pop()) >= 32
+    plain = ttft_bench.deploy(ttft_bench.parse_config("layerkv"), deploy_args(), tmp_path)
+    assert not any("LAYERKV_AUTH_SECRET" in s.extra_env for s in plain.servers)
+    described = json.dumps(auth.describe("cpu"))  # what the log and summary.json keep
+    assert ttft_bench.AUTH_SECRET not in described and "--kv-transfer-config" in described
+
+
+def test_the_aggregated_baseline_is_vllm_router_round_robin_over_single_instances(
+        tmp_path) -> None:
+    deployed = ttft_bench.deploy(ttft_bench.parse_config("single-x2"), deploy_args(), tmp_path)
+    a, b = deployed.servers
+    assert (a.cpu_bind, b.cpu_bind) == ("0", "1") and a.kv_transfer_config is None
+    cmd = deployed.proxy_cmd
+    assert cmd is not None and cmd[0].endswith("vllm-router")
+    assert cmd[cmd.index("--worker-urls") + 1:cmd.index("--worker-urls") + 3] == [a.url, b.url]
+    assert cmd[cmd.index("--policy") + 1] == "round_robin"
+    assert "--vllm-pd-disaggregation" not in cmd and "--port" not in cmd
+    assert deployed.roles == ["single", "single"]
+    assert [s.log_path.name for s in deployed.servers] == ["single.log", "single-1.log"]
+
+
+def test_several_prefill_instances_behind_the_proxy_and_the_router(tmp_path) -> None:
+    proxied = ttft_bench.deploy(ttft_bench.parse_config("layerkv-2p-tp1-tp2"),
+                                deploy_args(trace=True), tmp_path)
+    p0, p1, d = proxied.servers
+    cmd = proxied.proxy_cmd
+    assert cmd[cmd.index("--prefill") + 1:cmd.index("--decode")] == [p0.url, p1.url]
+    assert proxied.roles == ["prefill", "prefill", "decode"]
+    extra = [s.kv_transfer_config["kv_connector_extra_config"] for s in proxied.servers]
+    assert "trace_path" in extra[0] and "trace_path" not in extra[1] and "trace_path" in extra[2]
+    routed = ttft_bench.deploy(ttft_bench.parse_config("layerkv-router-2p-tp1-tp2"),
+                               deploy_args(), tmp_path)
+    p0, p1, d = routed.servers
+    cmd = routed.proxy_cmd
+    ports = [s.kv_transfer_config["kv_connector_extra_config"]["bootstrap_port"]
+             for s in (p0, p1)]
+    assert ports[0] != ports[1]
+    assert cmd[cmd.index("--prefill") + 1:cmd.index("--decode")] == [
+        p0.url, str(ports[0]), "--prefill", p1.url, str(ports[1])]
+
+
+def test_gpu_placement_reaches_each_server(tmp_path) -> None:
+    args = deploy_args(device="cuda", num_gpus=4, decode_first_gpu=2, dtype="bfloat16")
+    shared = ttft_bench.deploy(ttft_bench.parse_config("layerkv-tp4-tp2"), args, tmp_path)
+    p, d = shared.servers
+    assert (p.gpus, d.gpus) == ("0,1,2,3", "2,3")
+    for s in (p, d):  # sharing GPUs 2-3: each takes half
+        cmd = s.command()
+        assert cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.425"
+    own = ttft_bench.deploy(ttft_bench.parse_config("nixl-tp1-tp2"), args, tmp_path)
+    p, d = own.servers
+    assert (p.gpus, d.gpus) == ("0", "2,3")
+    assert d.command()[d.command().index("--gpu-memory-utilization") + 1] == "0.850"
+    described = own.describe("cuda")
+    assert [(x["instance"], x["gpus"], x["shared"]) for x in described] == [
+        ("prefill", "0", False), ("decode", "2,3", False)]
+
+
+def test_an_open_loop_point_has_a_rate_and_no_concurrency_cap(tmp_path) -> None:
+    calls = []
+
+    class Runner:
+        def run(self, argv, stdout_path, timeout):
+            calls.append(argv)
+            out = Path(argv[argv.index("--result-dir") + 1])
+            (out / argv[argv.index("--result-filename") + 1]).write_text("{}")
+
+    args = argparse.Namespace(tokenizer=None, model="m", bench_timeout=60)
+    ttft_bench.bench(Runner(), "http://x", args, tmp_path, "a", 64, 8, 10, None,
+                     request_rate=2.5, seed=7)
+    ttft_bench.bench(Runner(), "http://x", args, tmp_path, "b", 64, 1, 10, None,
+                     request_rate=float("inf"))
+    rate, burst = calls
+    assert "--max-concurrency" not in rate and "--max-concurrency" not in burst
+    assert rate[rate.index("--request-rate") + 1] == "2.5"
+    assert rate[rate.index("--burstiness") + 1] == "1.0"  # Poisson arrivals
+    assert rate[rate.index("--seed") + 1] == "7"
+    assert burst[burst.index("--request-rate") + 1] == "inf"
+    seeds = {ttft_bench.open_loop_seed(p, 4096, 128) for p in ("rate0.5x", "rate0.5x:warm-up",
+                                                                 "rate0.7x", "capacity")}
+    assert len(seeds) == 4 and all(0 <= s < 2**32 for s in seeds)
+
+
+class RateRunner:
+    """Stands in for BenchServe: answers every point with per-request data, and records each
+    point's tag and argv."""
+
+    def __init__(self) -> None:
+        self.points: dict[str, list[str]] = {}
+
+    def run(self, argv, stdout_path, timeout):
+        tag = argv[argv.index("--result-filename") + 1][:-len(".json")]
+        self.points[tag] = argv
+        n = int(argv[argv.index("--num-prompts") + 1])
+        out_len = int(argv[argv.index("--random-output-len") + 1])
+        result = {"median_ttft_ms": 30.0, "completed": n, "failed": 0, "duration": n / 4.0,
+                  "ttfts": [0.03] * n, "latencies": [0.03 + 0.01 * (out_len - 1)] * n,
+                  "output_lens": [out_len] * n, "errors": [""] * n,
+                  "start_times": [i / 4.0 for i in range(n)]}
+        out = Path(argv[argv.index("--result-dir") + 1])
+        (out / f"{tag}.json").write_text(json.dumps(result))
+
+
+def rate_args(tmp_path: Path, **changes: object) -> argparse.Namespace:
+    return argparse.Namespace(**{
+        "tokenizer": None, "model": "m", "bench_timeout": 60, "prompt_lens": [64],
+        "output_len": 8, "num_prompts": 2, "max_model_len": 2048, "load": [], "load_repeats": 1,
+        "out": tmp_path, "identity": 0, "rates": open_loop.parse_rates("0.5x,3"),
+        "rate_shape": (128, 6, 8), "rate_warmup": 2, "capacity_prompts": 4,
+        "slo_ttft_ms": 1000.0, "slo_tpot_ms": 25.0, **changes})
+
+
+def test_single_measures_capacity_then_every_rate_with_a_warm_up_of_its_own(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ttft_bench, "cold_start", lambda *a: {"cold_ttft_ms": 1.0,
+                                                              "warm_ttft_ms": 1.0})
+    warmed = []
+    monkeypatch.setattr(ttft_bench, "warm_up",
+                        lambda url, model, lengths, rounds: warmed.append((lengths, rounds)))
+    args = rate_args(tmp_path)
+    identity = ttft_bench.IdentityCheck(0, args, tmp_path / "ref.json")
+    capacity: dict = {}
+    runner = RateRunner()
+    res: dict = {}
+    ttft_bench.measure(ttft_bench.parse_config("single"), "http://x", None, args, runner,
+                       identity, res, lambda: None, capacity=capacity)
+    assert warmed == [([64, 128], 1)]  # the rate points' length too
+    assert list(runner.points) == [
+        "single_c1_in64", "single_overhead_in16", "single_capacity_in128",
+        "single_rate0.5x_in128_out6_warmup", "single_rate0.5x_in128_out6",
+        "single_rate3rps_in128_out6_warmup", "single_rate3rps_in128_out6"]
+    burst = runner.points["single_capacity_in128"]
+    assert burst[burst.index("--random-output-len") + 1] == "1"
+    assert burst[burst.index("--num-prompts") + 1] == "4"
+    assert capacity["requests_per_s"] == 4.0 and capacity["prefill_tokens_per_s"] == 512
+    warm = runner.points["single_rate0.5x_in128_out6_warmup"]
+    assert warm[warm.index("--num-prompts") + 1] == "2"
+    assert warm[warm.index("--seed") + 1] != runner.points["single_rate0.5x_in128_out6"][
+        warm.index("--seed") + 1]
+    point = res["rate0.5x_in128_out6"]
+    assert point["request_rate"] == 2.0  # 0.5 x 4 requests/s
+    assert point["goodput"] == 4.0 and point["good"] == 8  # TPOT 10 ms, TTFT 30 ms
+    assert res["rate3rps_in128_out6"]["request_rate"] == 3.0
+    assert res["overhead"] == {"prompt_len": 16, "median_ttft_ms": 30.0}
+    # a P/D configuration after it: the same absolute rates, no capacity burst, no overhead
+    runner = RateRunner()
+    res = {}
+    ttft_bench.measure(ttft_bench.parse_config("layerkv-2p"), "http://x", None, args, runner,
+                       identity, res, lambda: None, capacity=capacity)
+    assert warmed[-1] == ([64, 128], 2)  # each prefill instance warmed
+    assert "layerkv-2p_capacity_in128" not in runner.points and "overhead" not in res
+    argv = runner.points["layerkv-2p_rate0.5x_in128_out6"]
+    assert argv[argv.index("--request-rate") + 1] == "2"
+
+
+def test_fractional_rates_need_the_single_instance_which_then_runs_first(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    ran = []
+
+    class NoWorker:
+        def __init__(self, *args) -> None:
+            pass
+
+        def start(self) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    def run_config(config, args, runner, identity, res, save, capacity):
+        ran.append(config.name)
+        return True
+
+    monkeypatch.setattr(ttft_bench, "BenchServe", NoWorker)
+    monkeypatch.setattr(ttft_bench, "run_config", run_config)
+    base = ["ttft_bench.py", "--device", "cpu", "--model", "m", "--out", str(tmp_path / "o")]
+    monkeypatch.setattr(sys, "argv", [*base, "--configs", "layerkv", "--rates", "0.7x"])
+    with pytest.raises(SystemExit, match="add 'single' to --configs"):
+        ttft_bench.main()
+    monkeypatch.setattr(sys, "argv", [*base, "--configs", "layerkv", "single-x2", "single",
+                                      "--rates", "0.5x,0.9x", "2"])
+    assert ttft_bench.main() == 0
+    assert ran == ["single", "layerkv", "single-x2"]
+    summary = json.loads((tmp_path / "o" / "summary.json").read_text())
+    assert summary["rate_points"]["rates"] == ["0.5x", "0.9x", "2rps"]
+    ran.clear()  # a capacity given: the order stays
+    monkeypatch.setattr(sys, "argv", [*base, "--configs", "layerkv", "single", "--rates",
+                                      "0.5x", "--capacity", "8"])
+    assert ttft_bench.main() == 0 and ran == ["layerkv", "single"]
+
+
+def test_counters_of_several_prefill_instances_add_up_with_bytes_per_request() -> None:
+    one = "\n".join(['vllm:layerkv_groups_sent_total{engine="0"} 40.0',
+                     'vllm:layerkv_transfers_sent_total{engine="0"} 8.0',
+                     'vllm:layerkv_bytes_sent_total{engine="0"} 8000.0'])
+    both = ttft_bench.one_or_all([FakePrefill(one), FakePrefill(one)])
+    counters = ttft_bench.transfer_counters(both, p_tp=1)
+    assert counters["requests"] == 16 and counters["bytes_per_request"] == 1000
+    single = ttft_bench.one_or_all([FakePrefill(one)])
+    assert isinstance(single, FakePrefill)
