@@ -13,9 +13,14 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from vllm_layerkv.wire.auth import SECRET_ENV, ChannelAuth
 from vllm_layerkv.wire.planes import TRANSPORTS
+from vllm_layerkv.wire.protocol import DEFAULT_MAX_TRANSFER_BLOCKS
 
 MOONCAKE_PROTOCOLS = ("tcp", "rdma")
+SECRET_SETTING = "auth_secret"
+"""The secret itself: refused in kv_connector_extra_config (auth_secret_file or
+LAYERKV_AUTH_SECRET carry it)."""
 
 
 class ConfigError(ValueError):
@@ -166,6 +171,69 @@ class LayerKVConfig:
     otherwise starve each other. "off": a fixed 2 ms wait per empty worker step. "auto": on for
     CPU instances, off on GPUs (where it would delay a request arriving at an idle engine)."""
 
+    # --- security: authentication (docs/security.md) -----------------------------------
+    # (authentication settings go here)
+    auth_secret_file: str = ""
+    """Path of a file holding the shared secret P and D prove to each other, by HMAC
+    challenge-response, before any LayerKV message (whitespace around it is ignored; at least
+    16 characters, e.g. ``openssl rand -hex 32``; keep the file mode 600). The secret may come
+    from the environment variable ``LAYERKV_AUTH_SECRET`` instead (one of the two, never both),
+    never from ``kv_connector_extra_config``, which shows in process lists and logs. Neither
+    set: the channels run unauthenticated (a warning is logged once when a listener is not on
+    loopback). P and D must agree: a secret on one side only refuses every connection, saying
+    so."""
+    allowed_peers: str = ""
+    """Comma-separated addresses or CIDRs (e.g. "10.0.0.0/8,192.168.1.7") whose connections
+    LayerKV's listeners accept, checked before anything is read; empty = any address."""
+    bootstrap_query_auth: bool = False
+    """P: with a shared secret set, require the signed header on the bootstrap endpoint's
+    ``GET /query`` too. Off by default because routers (vllm-router, llm-d) read /query without
+    it; ``POST /register`` always requires it when a secret is set."""
+
+    # --- security: resource limits (docs/security.md) ----------------------------------
+    # (resource-limit settings go here)
+    max_connections: int = 256
+    """Connections each LayerKV listener (P's registration server, D's data listener per worker,
+    P's bootstrap endpoint) serves at once, one thread each. At the cap a new connection closes
+    the oldest one still in its authentication handshake, or is refused when all have
+    authenticated."""
+    handshake_timeout_s: float = 5.0
+    """A new connection that has not completed the authentication handshake within this long is
+    closed (listeners); also bounds each bootstrap request."""
+    message_timeout_s: float = 10.0
+    """P's registration server: once a message has started to arrive, each read of the rest
+    must return within this long, or the connection is closed. (Data connections use
+    io_timeout_s.)"""
+    max_early_registrations: int = 4096
+    """P: registrations held for prefill requests P has not received yet (D registers first).
+    Beyond this, new ones are refused, saying so, until some are matched, cancelled or
+    expire."""
+    early_registration_ttl_s: float = 0.0
+    """P: how long such a registration waits for its prefill request before it is dropped and
+    D is told. 0 = twice registration_timeout_s."""
+    max_closed_transfers: int = 65536
+    """D worker: closed transfer ids remembered, so that late frames for them are dropped at
+    once; beyond this the oldest are forgotten (a late frame for one then waits
+    connect_timeout_s before it is dropped; it is never written)."""
+    closed_transfer_ttl_s: float = 600.0
+    """D worker: how long a closed transfer id is remembered."""
+    max_transfer_blocks: int = DEFAULT_MAX_TRANSFER_BLOCKS
+    """The most block ids one registration (all KV cache groups together: per group, one per
+    block of the prompt) or one KV frame may carry; it sizes the largest ``Register`` P's
+    registration server reads (about 5 B per id, so 1.4 MiB by default) and the largest
+    ``BlockData`` / ``DirectWrite`` header D reads. The default, 262,144, covers a 4M-token
+    prompt in 16-token blocks with one KV cache group, or 1M tokens with four. Longer prompts
+    need more: set it on P and D alike (a larger frame closes its connection, logging this
+    setting's name)."""
+
+    # --- link emulation (benchmarks only) ------------------------------------------------
+    # (pacing settings go here)
+    tcp_pacing_gbps: float = 0.0
+    """Benchmarks only: pace the TCP transport's KV bytes on P to this many gigabits per second
+    per worker (a token bucket, ``transport/pacing.py``), so that instances on one host
+    emulate a slower link in a link-rate sweep. 0 = off. Bytes over TCP only (transport tcp,
+    or auto where no direct plane reaches D); never set it in production."""
+
     # --- diagnostics ---------------------------------------------------------------------
     trace_path: str = ""
     """If set, workers append one JSON line per transfer event to this file + ".p.<rank>"
@@ -176,6 +244,11 @@ class LayerKVConfig:
     def from_extra_config(cls, extra: dict[str, Any] | None) -> LayerKVConfig:
         extra = dict(extra or {})
         known = {f.name: f for f in fields(cls)}
+        if SECRET_SETTING in extra:
+            raise ConfigError(
+                f"{SECRET_SETTING} is not accepted in kv_connector_extra_config, which shows in "
+                f"process lists and logs; put the shared secret in a file named by "
+                f"auth_secret_file, or in the environment variable {SECRET_ENV}")
         unknown = sorted(k for k in extra if k not in known)
         if unknown:
             raise ConfigError(
@@ -226,6 +299,20 @@ class LayerKVConfig:
                      "connect_timeout_s", "io_timeout_s"):
             need(getattr(self, name) > 0, f"{name} must be > 0 seconds")
         need(bool(self.host), "host must not be empty")
+        try:
+            ChannelAuth.from_config(self)
+        except ValueError as e:  # the secret's source or allowed_peers
+            raise ConfigError(str(e)) from None
+        need(1 <= self.max_connections <= 65536,
+             f"max_connections={self.max_connections} must be between 1 and 65536")
+        for name in ("handshake_timeout_s", "message_timeout_s", "closed_transfer_ttl_s"):
+            need(getattr(self, name) > 0, f"{name} must be > 0 seconds")
+        need(self.early_registration_ttl_s >= 0,
+             "early_registration_ttl_s must be >= 0 seconds (0 = 2 x registration_timeout_s)")
+        for name in ("max_early_registrations", "max_closed_transfers"):
+            need(getattr(self, name) >= 1, f"{name}={getattr(self, name)} must be >= 1")
+        need(1 <= self.max_transfer_blocks <= 1 << 26,
+             f"max_transfer_blocks={self.max_transfer_blocks} must be between 1 and 67108864")
         need(1 <= self.staging_buffer_mb <= 4096,
              f"staging_buffer_mb={self.staging_buffer_mb} must be between 1 and 4096 (MiB)")
         need(self.host_bounce in ("auto", "on", "off"),
@@ -234,6 +321,8 @@ class LayerKVConfig:
              f"remote_prefill_fallback={self.remote_prefill_fallback!r}: use local or fail")
         need(self.idle_backoff in ("auto", "on", "off"),
              f"idle_backoff={self.idle_backoff!r}: use auto, on or off")
+        need(self.tcp_pacing_gbps >= 0,
+             f"tcp_pacing_gbps={self.tcp_pacing_gbps} must be >= 0 (0 = no pacing)")
         for name in ("staging_buffers", "recv_ring_slots", "writes_in_flight"):
             need(1 <= getattr(self, name) <= 64, f"{name}={getattr(self, name)} must be "
                  "between 1 and 64")

@@ -16,8 +16,16 @@ import pytest
 from prompts import PROMPTS, make_prompt
 
 from vllm_layerkv.testing import faults
-from vllm_layerkv.testing.cluster import MODEL_NAME, PDCluster, metric, wait_idle
+from vllm_layerkv.testing.cluster import (
+    MODEL_NAME,
+    PDCluster,
+    metric,
+    prompt_tokens_by_source,
+    wait_idle,
+)
 from vllm_layerkv.testing.servers import get_text, post_json, stream_text
+from vllm_layerkv.wire import framing
+from vllm_layerkv.wire.auth import AuthError, ChannelAuth, connect_handshake
 
 pytestmark = pytest.mark.e2e
 MAX_TOKENS = 24
@@ -128,6 +136,61 @@ def test_transfer_metrics_exported(cluster: PDCluster) -> None:
     assert metric(p_text, "vllm:layerkv_exposed_transfer_seconds_count") > 0
     log = cluster.prefill.log_path.read_text()
     assert "KV Transfer metrics" in log and "avg exposed transfer (ms)" in log
+
+
+# ------------------------------------------------------------------------- authentication
+
+
+def test_peers_with_the_wrong_secret_are_refused(cluster: PDCluster, no_leaks: None) -> None:
+    """The harness gives P and D a shared secret. While an honest request runs through the
+    proxy, a peer with another secret keeps connecting to D's data port and to P's
+    registration port: both refuse it, each logs why, and the honest request completes
+    token-identical to the reference with its KV sent by P and received by D."""
+    assert cluster.reference is not None and cluster.spec.auth_secret is not None
+    wrong = ChannelAuth(b"not-the-cluster-secret-" + uuid.uuid4().hex.encode())
+    p_host, p_port = cluster.prefill_endpoint()
+    targets = [cluster.decode_data_endpoints()[0], f"{p_host}:{p_port}"]
+    prompt = make_prompt(600, seed=41)
+    ref = complete(cluster.reference.url, prompt, return_token_ids=True)
+    counters = ("vllm:layerkv_transfers_sent_total", "vllm:layerkv_transfers_received_total")
+
+    def readings() -> tuple[float, float, float]:
+        d_text = cluster.decode.metrics()
+        return (metric(cluster.prefill.metrics(), counters[0]), metric(d_text, counters[1]),
+                prompt_tokens_by_source(d_text, "external_kv_transfer"))
+
+    before = readings()
+    refusals: list[str] = []
+    done = threading.Event()
+
+    def attack() -> None:
+        while not done.is_set() or len(refusals) < 2 * len(targets):
+            for endpoint in targets:
+                sock = framing.connect(endpoint, 5.0)
+                try:
+                    connect_handshake(sock, wrong, 5.0)
+                    refusals.append("admitted")
+                except AuthError as e:
+                    refusals.append(str(e))
+                finally:
+                    sock.close()
+
+    attacker = threading.Thread(target=attack)
+    attacker.start()
+    out = complete(cluster.proxy.url, prompt, return_token_ids=True)  # type: ignore[union-attr]
+    done.set()
+    attacker.join(60)
+    assert token_ids(out) == token_ids(ref)
+    assert refusals and all("the two secrets differ" in r for r in refusals), refusals[:3]
+    deadline = time.monotonic() + 15  # /metrics follows the engine's step outputs
+    while (rise := [a - b for a, b in zip(readings(), before)])[:2] != [1, 1] and \
+            time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert rise[:2] == [1, 1] and rise[2] > 0, rise  # sent by P, received by D
+    for server, listener in ((cluster.decode, "data listener"),
+                             (cluster.prefill, "registration server")):
+        assert f"LayerKV {listener} refused a connection" in server.log_path.read_text()
+    assert cluster.spec.auth_secret not in cluster.decode.log_path.read_text()
 
 
 # ------------------------------------------------------------------------- failures

@@ -109,15 +109,21 @@ def transport_config(transport: str, config: LayerKVConfig | None = None
 def start_d(dtype: torch.dtype = torch.uint8, num_blocks: int = NUM_BLOCKS,
             block_bytes: int = BLOCK_BYTES, info: CompatInfo | None = None,
             unknown_wait_s: float = UNKNOWN_WAIT_S, io_timeout: float = 5.0,
-            transport: str = "tcp", early_lead_s: float = 0.0, ring_slots: int = 4) -> DSide:
+            transport: str = "tcp", early_lead_s: float = 0.0, ring_slots: int = 4,
+            config: LayerKVConfig | None = None) -> DSide:
+    """``config``: further settings (authentication, listener limits, closed-transfer
+    records); ``io_timeout`` and ``ring_slots`` override its values."""
     caches = make_caches(SENTINEL, dtype, num_blocks=num_blocks, block_bytes=block_bytes)
     layout = KVLayout.from_kv_caches(caches, num_blocks)
     stats = WorkerStats()
+    base = (config or LayerKVConfig()).replace(io_timeout_s=io_timeout,
+                                               recv_ring_slots=ring_slots)
     table = RecvTable(info or compat(block_bytes=block_bytes), tp_rank=0, tp_size=1,
-                      unknown_wait_s=unknown_wait_s, stats=stats, early_lead_s=early_lead_s)
+                      unknown_wait_s=unknown_wait_s, stats=stats, early_lead_s=early_lead_s,
+                      max_closed=base.max_closed_transfers,
+                      closed_ttl_s=base.closed_transfer_ttl_s)
     blocks = HostBlockIO(layout)
-    name, config = transport_config(transport, LayerKVConfig(io_timeout_s=io_timeout,
-                                                             recv_ring_slots=ring_slots))
+    name, config = transport_config(transport, base)
     mover = create_transport(name, blocks, config)
     endpoint = mover.start_receiver("127.0.0.1", 0, table, blocks, io_timeout)
     return DSide(table, mover, endpoint, layout, stats)

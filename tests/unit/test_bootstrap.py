@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -16,6 +17,8 @@ from vllm_layerkv.scheduler.bootstrap import (
     register_with,
     resolve,
 )
+from vllm_layerkv.wire.admission import ListenerLimits
+from vllm_layerkv.wire.auth import ChannelAuth, parse_peers
 
 
 @pytest.fixture
@@ -96,3 +99,76 @@ def test_unreachable_bootstrap_says_where(server: BootstrapServer) -> None:
 def test_a_port_in_use_says_what_to_change(server: BootstrapServer) -> None:
     with pytest.raises(BootstrapError, match="bootstrap_port"):
         BootstrapServer("127.0.0.1", server.port, 0, "e", "h:1")
+
+
+# ------------------------------------------------------------------------ with a shared secret
+
+SECRET = ChannelAuth(b"bootstrap-secret-0123456789abcdef")
+
+
+@pytest.fixture
+def signed_server() -> Iterator[BootstrapServer]:
+    s = BootstrapServer("127.0.0.1", 0, dp_rank=0, engine_id="p-engine",
+                        endpoint="127.0.0.1:7001", auth=SECRET)
+    yield s
+    s.close()
+
+
+def test_register_needs_a_signature_when_a_secret_is_set(signed_server: BootstrapServer
+                                                         ) -> None:
+    url = f"http://127.0.0.1:{signed_server.port}/register"
+    body = b'{"dp_rank": 1, "engine_id": "forged", "layerkv_endpoint": "10.9.9.9:1"}'
+    status, answer = post(url, body)
+    assert status == 401 and "no LayerKV signature" in answer["error"]  # type: ignore[index]
+    register_with("127.0.0.1", signed_server.port, 1, "p-engine-dp1", "127.0.0.1:7002",
+                  ChannelAuth(b"another-secret-0123456789abcdef"))
+    register_with("127.0.0.1", signed_server.port, 2, "p-engine-dp2", "127.0.0.1:7003", SECRET)
+    deadline = time.monotonic() + 10
+    while "2" not in signed_server.entries() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.3)
+    assert sorted(signed_server.entries()) == ["0", "2"]  # the wrong secret never got in
+
+
+def test_query_stays_open_for_routers_and_d_signs_its_own(signed_server: BootstrapServer
+                                                          ) -> None:
+    addr = f"http://127.0.0.1:{signed_server.port}"
+    assert get(addr + "/query")[0] == 200  # vllm-router and llm-d do not sign
+    assert resolve(addr, "p-engine", timeout=5, auth=SECRET) == "127.0.0.1:7001"
+
+
+def test_query_auth_requires_the_signature_on_query_too() -> None:
+    s = BootstrapServer("127.0.0.1", 0, dp_rank=0, engine_id="p-engine",
+                        endpoint="127.0.0.1:7001", auth=SECRET, query_auth=True)
+    try:
+        addr = f"http://127.0.0.1:{s.port}"
+        status, answer = get(addr + "/query")
+        assert status == 401 and "7001" not in json.dumps(answer)
+        assert resolve(addr, "p-engine", timeout=5, auth=SECRET) == "127.0.0.1:7001"
+        with pytest.raises(BootstrapError, match="HTTP 401: .*secrets differ"):
+            resolve(addr, "p-engine", timeout=5,
+                    auth=ChannelAuth(b"another-secret-0123456789abcdef"))
+    finally:
+        s.close()
+
+
+def test_the_allowlist_and_the_connection_cap_apply() -> None:
+    s = BootstrapServer("127.0.0.1", 0, dp_rank=0, engine_id="p-engine",
+                        endpoint="127.0.0.1:7001",
+                        auth=ChannelAuth(None, parse_peers("10.0.0.0/8")))
+    try:
+        with pytest.raises(BootstrapError, match="cannot query"):
+            resolve(f"http://127.0.0.1:{s.port}", "p-engine", timeout=2)
+    finally:
+        s.close()
+    s = BootstrapServer("127.0.0.1", 0, dp_rank=0, engine_id="p-engine",
+                        endpoint="127.0.0.1:7001",
+                        limits=ListenerLimits(max_connections=2, handshake_timeout_s=0.5))
+    try:
+        silent = [socket.create_connection(("127.0.0.1", s.port)) for _ in range(20)]
+        time.sleep(0.2)  # each new one closed the oldest that had not sent its request
+        assert resolve(f"http://127.0.0.1:{s.port}", "p-engine", timeout=5) == "127.0.0.1:7001"
+        for c in silent:
+            c.close()
+    finally:
+        s.close()

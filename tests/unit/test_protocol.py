@@ -15,7 +15,7 @@ import pytest
 from vllm_layerkv.wire import framing
 from vllm_layerkv.wire.planes import IpcTensor, KVExport, MooncakeExport, NixlExport
 from vllm_layerkv.wire.protocol import (
-    MAX_MESSAGE_BYTES,
+    LIMITS,
     PROTOCOL_VERSION,
     BlockData,
     Cancel,
@@ -199,7 +199,7 @@ def test_undecodable_body_is_protocol_error(pair, body: bytes) -> None:
 
 def test_oversize_length_prefix_is_protocol_error_before_reading_the_body(pair) -> None:
     a, b = pair
-    a.sendall(struct.pack("!I", MAX_MESSAGE_BYTES + 1))  # no body follows: must not wait for it
+    a.sendall(struct.pack("!I", LIMITS.accepting().max_bytes + 1))  # no body follows: must not wait
     with pytest.raises(ProtocolError, match="exceeds"):
         framing.recv_message(b)
 

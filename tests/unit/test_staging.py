@@ -131,6 +131,7 @@ def test_a_full_ring_refuses_the_write_and_fails_the_transfer_on_decode() -> Non
     import socket
     from collections import deque
 
+    from vllm_layerkv.transport.base import Source
     from vllm_layerkv.transport.tcp import TcpTransport
     from vllm_layerkv.wire import framing
     from vllm_layerkv.wire.protocol import DirectWrite, WriteGrant
@@ -143,7 +144,8 @@ def test_a_full_ring_refuses_the_write_and_fails_the_transfer_on_decode() -> Non
         def end_write(self, transfer_id: str, nbytes: int) -> None:
             self.ended.append(transfer_id)
 
-        def on_abort(self, transfer_id: str, reason: str) -> None:
+        def on_abort(self, transfer_id: str, reason: str, source: Source | None = None
+                     ) -> None:
             self.aborted.append((transfer_id, reason))
 
     def write(seq: int, nbytes: int = 64) -> DirectWrite:
@@ -155,24 +157,25 @@ def test_a_full_ring_refuses_the_write_and_fails_the_transfer_on_decode() -> Non
     transport = TcpTransport()
     transport._ring_wait_s = 0.1
     sink = Sink()
+    source = Source("p", 0, 1, 1)
     d_end, p_end = socket.socketpair()
     granted: dict = {}
     waiting = deque([(write(1), ring, time.monotonic() + 0.1)])
     t0 = time.monotonic()
-    transport._grant_waiting(d_end, waiting, granted, sink)  # type: ignore[arg-type]
+    transport._grant_waiting(d_end, waiting, granted, sink, source)  # type: ignore[arg-type]
     assert time.monotonic() - t0 < 0.05 and len(waiting) == 1 and not sink.ended
     time.sleep(0.15)
-    transport._grant_waiting(d_end, waiting, granted, sink)  # type: ignore[arg-type]
+    transport._grant_waiting(d_end, waiting, granted, sink, source)  # type: ignore[arg-type]
     assert not waiting and not granted
     assert framing.recv_message(p_end) == WriteGrant(seq=1, ok=False, slot=-1)
     assert sink.ended == ["t1"]
     assert sink.aborted and "head-slice write refused: no receive-ring slot" in sink.aborted[0][1]
     ring.release(held)
     waiting.append((write(2), ring, time.monotonic() + 0.1))
-    transport._grant_waiting(d_end, waiting, granted, sink)  # type: ignore[arg-type]
+    transport._grant_waiting(d_end, waiting, granted, sink, source)  # type: ignore[arg-type]
     assert framing.recv_message(p_end) == WriteGrant(seq=2, ok=True, slot=held)
     assert granted[2][1:] == (held, ring)
-    assert not transport._fits_ring(write(3, nbytes=2048), ring, sink)  # type: ignore[arg-type]
+    assert not transport._fits_ring(write(3, nbytes=2048), ring, sink, source)  # type: ignore
     assert "no larger than decode's" in sink.aborted[-1][1] and sink.ended[-1] == "t3"
     d_end.close()
     p_end.close()

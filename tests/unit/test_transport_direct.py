@@ -46,6 +46,7 @@ from vllm_layerkv.transport.cuda_ipc import MAX_RUN_COPIES, CudaIpcPlane, copy_b
 from vllm_layerkv.transport.direct import DirectUnavailable, PeerWriter, host_id, paired_runs
 from vllm_layerkv.transport.tcp import TcpTransport
 from vllm_layerkv.wire import framing
+from vllm_layerkv.wire.auth import ChannelAuth, connect_handshake
 from vllm_layerkv.wire.planes import KVExport
 from vllm_layerkv.wire.protocol import DirectWrite, Hello, HelloAck, WriteGrant
 from vllm_layerkv.worker.receiver import RecvTable
@@ -288,6 +289,7 @@ def test_sender_vanishing_after_a_grant_releases_it(sides) -> None:
     d = make_d()
     d.table.expect(RecvTask("r", "t", [1]))
     sock = framing.connect(d.endpoint, 2.0)
+    connect_handshake(sock, ChannelAuth(), 2.0)
     framing.send_message(sock, Hello(compat=compat(), engine_id="raw", tp_rank=0, tp_size=1,
                                      host_id=host_id(), direct=["cuda_ipc"]))
     ack = framing.recv_message(sock)
@@ -304,6 +306,7 @@ def test_direct_write_without_an_offer_drops_the_connection(sides) -> None:
     d = make_d()
     d.table.expect(RecvTask("r", "t", [1]))
     sock = framing.connect(d.endpoint, 2.0)
+    connect_handshake(sock, ChannelAuth(), 2.0)
     framing.send_message(sock, Hello(compat=compat(), engine_id="raw", tp_rank=0, tp_size=1))
     assert framing.recv_message(sock) == HelloAck(tp_rank=0)  # did not ask: nothing offered
     framing.send_message(sock, DirectWrite(transfer_id="t", seq=1, layers=[0], dst_blocks=[1]))

@@ -43,16 +43,16 @@ class Sink:
     def end_write(self, transfer_id, nbytes):
         pass
 
-    def on_done(self, transfer_id, src_rank, src_tp, frames, nbytes):
+    def on_done(self, transfer_id, src_rank, src_tp, frames, nbytes, source=None):
         return TransferAck(transfer_id=transfer_id, ok=True)
 
-    def on_nearly_done(self, transfer_id, src_rank, eta_s):
+    def on_nearly_done(self, transfer_id, src_rank, eta_s, source=None):
         pass
 
-    def on_abort(self, transfer_id, reason):
+    def on_abort(self, transfer_id, reason, source=None):
         pass
 
-    def on_source_lost(self, engine_id, src_rank, reason):
+    def on_source_lost(self, source, reason):
         pass
 
 

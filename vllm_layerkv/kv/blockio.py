@@ -15,6 +15,10 @@ Head slices (prefill and decode with different TP, ``tp.py``): ``read_slices`` g
 heads of every (layer, block) into a staging buffer the caller owns (``staging.py``), and
 ``write_slices`` receives a payload and scatters it into the blocks at a head offset. The
 gather and scatter run on the KV's device; on GPU the bytes cross a pinned host buffer.
+
+Every request (layers, blocks, heads) is checked against the KV (``bounds.py``) before a byte
+moves: a header naming a block past the end must not shorten the payload read into the cache
+(a torch slice past the end is empty) nor reach another block.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from vllm_layerkv.kv import staging
+from vllm_layerkv.kv.bounds import KVBounds
 from vllm_layerkv.kv.layout import KVLayout
 
 
@@ -44,7 +49,8 @@ def block_runs(blocks: Sequence[int]) -> Iterator[tuple[int, int]]:
 
 
 class BlockIO:
-    """Byte access to a worker's KV blocks for stream transports."""
+    """Byte access to a worker's KV blocks for stream transports. Every request is checked
+    against the KV's bounds (``bounds.py``) before a byte moves; the subclasses move them."""
 
     block_bytes: int
     num_layers: int
@@ -53,6 +59,15 @@ class BlockIO:
     which address KV memory themselves)."""
     local_heads: int = 1
     """KV heads this rank holds per block (head slicing needs it; 1 = treat blocks whole)."""
+    bounds: KVBounds
+    """Layers, blocks and heads a request may name."""
+
+    def __init__(self, layout: KVLayout, local_heads: int = 1):
+        self.tensors = layout.block_tensors()
+        self.block_bytes = layout.block_bytes
+        self.num_layers = layout.num_layers
+        self.local_heads = local_heads
+        self.bounds = KVBounds.of(self.tensors, local_heads)
 
     def slice_bytes(self, num_heads: int) -> int:
         """Bytes of ``num_heads`` heads of one block."""
@@ -63,44 +78,60 @@ class BlockIO:
         """Gather heads ``[first_head, first_head + num_heads)`` of every (layer, block) into
         ``buf`` (a staging buffer on the KV's device) and return the payload as host bytes,
         valid until the next call from this thread."""
-        raise NotImplementedError
+        n = self.bounds.check(layers, blocks, first_head, num_heads)
+        return self._read_slices(layers, blocks, first_head, num_heads, buf, n)
 
     def write_slices(self, layers: Sequence[int], blocks: Sequence[int], first_head: int,
                      num_heads: int) -> Iterator[memoryview]:
         """One buffer to fill with the payload; once the iterator is exhausted the slices are
-        scattered into the blocks."""
-        raise NotImplementedError
+        scattered into the blocks. A request outside the KV raises BoundsError when the buffer
+        is asked for (inside the caller's bookkeeping of the write), before a byte moves."""
+        n = self.bounds.check(layers, blocks, first_head, num_heads)
+        yield from self._write_slices(layers, blocks, first_head, num_heads, n)
 
     def read(self, layers: Sequence[int], blocks: Sequence[int]) -> Iterator[memoryview]:
         """Buffers whose concatenation is the payload for (layers, blocks). Each buffer is valid
         until the next one is requested."""
-        raise NotImplementedError
+        self.bounds.check(layers, blocks)
+        return self._read(layers, blocks)
 
     def write(self, layers: Sequence[int], blocks: Sequence[int]) -> Iterator[memoryview]:
         """Buffers to fill, in payload order; the data is in place once the iterator is
-        exhausted."""
+        exhausted. A request outside the KV raises BoundsError when the first buffer is asked
+        for, before a byte moves."""
+        self.bounds.check(layers, blocks)
+        yield from self._write(layers, blocks)
+
+    def _read_slices(self, layers: Sequence[int], blocks: Sequence[int], first_head: int,
+                     num_heads: int, buf: torch.Tensor, nbytes: int) -> memoryview:
+        raise NotImplementedError
+
+    def _write_slices(self, layers: Sequence[int], blocks: Sequence[int], first_head: int,
+                      num_heads: int, nbytes: int) -> Iterator[memoryview]:
+        raise NotImplementedError
+
+    def _read(self, layers: Sequence[int], blocks: Sequence[int]) -> Iterator[memoryview]:
+        raise NotImplementedError
+
+    def _write(self, layers: Sequence[int], blocks: Sequence[int]) -> Iterator[memoryview]:
         raise NotImplementedError
 
 
 class HostBlockIO(BlockIO):
     def __init__(self, layout: KVLayout, local_heads: int = 1):
+        super().__init__(layout, local_heads)
         self._views = layout.host_block_views()
-        self.tensors = layout.block_tensors()
-        self.block_bytes = layout.block_bytes
-        self.num_layers = layout.num_layers
-        self.local_heads = local_heads
         self._local = threading.local()  # each receiver thread has its own payload buffer
 
-    def read_slices(self, layers: Sequence[int], blocks: Sequence[int], first_head: int,
-                    num_heads: int, buf: torch.Tensor) -> memoryview:
+    def _read_slices(self, layers: Sequence[int], blocks: Sequence[int], first_head: int,
+                     num_heads: int, buf: torch.Tensor, nbytes: int) -> memoryview:
         out = staging.gather(self.tensors, layers, blocks, first_head, num_heads,
                              self.local_heads, buf)
         return memoryview(out.numpy()).cast("B")
 
-    def write_slices(self, layers: Sequence[int], blocks: Sequence[int], first_head: int,
-                     num_heads: int) -> Iterator[memoryview]:
-        n = len(layers) * len(blocks) * self.slice_bytes(num_heads)
-        payload = _thread_buffer(self._local, n, pin=False)[:n]
+    def _write_slices(self, layers: Sequence[int], blocks: Sequence[int], first_head: int,
+                      num_heads: int, nbytes: int) -> Iterator[memoryview]:
+        payload = _thread_buffer(self._local, nbytes, pin=False)[:nbytes]
         yield memoryview(payload.numpy()).cast("B")
         staging.scatter(payload, self.tensors, layers, blocks, first_head, num_heads,
                         self.local_heads)
@@ -112,20 +143,17 @@ class HostBlockIO(BlockIO):
             for start, end in runs:
                 yield memoryview(view[start:end]).cast("B")
 
-    read = _runs
-    write = _runs
+    _read = _runs
+    _write = _runs
 
 
 class StagedBlockIO(BlockIO):
     """GPU KV through a pinned host staging buffer (grown on demand, reused)."""
 
     def __init__(self, layout: KVLayout, local_heads: int = 1):
-        self.local_heads = local_heads
+        super().__init__(layout, local_heads)
         self._layout = layout
-        self.tensors = layout.block_tensors()
         self._blocks = self.tensors
-        self.block_bytes = layout.block_bytes
-        self.num_layers = layout.num_layers
         self._device = layout.device
         self._local = threading.local()  # each transport thread has its own stream + buffer
 
@@ -139,7 +167,7 @@ class StagedBlockIO(BlockIO):
             st.buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         return st.stream, st.buf
 
-    def read(self, layers: Sequence[int], blocks: Sequence[int]) -> Iterator[memoryview]:
+    def _read(self, layers: Sequence[int], blocks: Sequence[int]) -> Iterator[memoryview]:
         n = len(blocks) * self.block_bytes
         stream, buf = self._state(n)
         host = buf[:n].view(len(blocks), self.block_bytes)
@@ -150,7 +178,7 @@ class StagedBlockIO(BlockIO):
                 stream.synchronize()
                 yield memoryview(host.numpy()).cast("B")
 
-    def write(self, layers: Sequence[int], blocks: Sequence[int]) -> Iterator[memoryview]:
+    def _write(self, layers: Sequence[int], blocks: Sequence[int]) -> Iterator[memoryview]:
         n = len(blocks) * self.block_bytes
         stream, buf = self._state(n)
         host = buf[:n].view(len(blocks), self.block_bytes)
@@ -162,25 +190,22 @@ class StagedBlockIO(BlockIO):
                 self._blocks[layer].index_copy_(0, idx, dev)
                 stream.synchronize()  # the pinned buffer is refilled by the next layer
 
-
-    def read_slices(self, layers: Sequence[int], blocks: Sequence[int], first_head: int,
-                    num_heads: int, buf: torch.Tensor) -> memoryview:
-        n = len(layers) * len(blocks) * self.slice_bytes(num_heads)
-        stream, host = self._state(n)
+    def _read_slices(self, layers: Sequence[int], blocks: Sequence[int], first_head: int,
+                     num_heads: int, buf: torch.Tensor, nbytes: int) -> memoryview:
+        stream, host = self._state(nbytes)
         with torch.cuda.stream(stream):
             out = staging.gather(self.tensors, layers, blocks, first_head, num_heads,
                                  self.local_heads, buf)
-            host[:n].copy_(out, non_blocking=True)
+            host[:nbytes].copy_(out, non_blocking=True)
         stream.synchronize()
-        return memoryview(host[:n].numpy()).cast("B")
+        return memoryview(host[:nbytes].numpy()).cast("B")
 
-    def write_slices(self, layers: Sequence[int], blocks: Sequence[int], first_head: int,
-                     num_heads: int) -> Iterator[memoryview]:
-        n = len(layers) * len(blocks) * self.slice_bytes(num_heads)
-        stream, host = self._state(n)
-        yield memoryview(host[:n].numpy()).cast("B")
+    def _write_slices(self, layers: Sequence[int], blocks: Sequence[int], first_head: int,
+                      num_heads: int, nbytes: int) -> Iterator[memoryview]:
+        stream, host = self._state(nbytes)
+        yield memoryview(host[:nbytes].numpy()).cast("B")
         with torch.cuda.stream(stream):
-            dev = host[:n].to(self._device, non_blocking=True)
+            dev = host[:nbytes].to(self._device, non_blocking=True)
             staging.scatter(dev, self.tensors, layers, blocks, first_head, num_heads,
                             self.local_heads)
         stream.synchronize()

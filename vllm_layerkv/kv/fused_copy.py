@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from vllm_layerkv.common.log import init_logger
+from vllm_layerkv.kv.bounds import check_indices, check_span
 
 logger = init_logger(__name__)
 
@@ -68,8 +69,13 @@ def copy_slices(tensors: Sequence[torch.Tensor], layers: Sequence[int], idx: tor
                 offset: int, nbytes: int, buf: torch.Tensor, to_buf: bool) -> bool:
     """Gather (``to_buf``) or scatter bytes ``[offset, offset + nbytes)`` of blocks ``idx`` of
     each of ``layers`` to or from ``buf`` in (layer, block) order. False if it did not run (the
-    caller then copies with torch)."""
+    caller then copies with torch). The kernel computes addresses unchecked, so the byte range,
+    the layers and ``buf``'s size are checked here (BoundsError); the block ids in ``idx`` are
+    on the device, and the caller has checked them (``staging.gather`` / ``scatter``)."""
     global _broken
+    check_indices("layers", layers, len(tensors))
+    check_span("head slice", offset, nbytes, tensors[0].shape[1])
+    check_span("staging buffer", 0, len(layers) * idx.numel() * nbytes, buf.numel())
     if not available(buf.device) or not layers or idx.numel() == 0:
         return False
     caches = [tensors[layer] for layer in layers]

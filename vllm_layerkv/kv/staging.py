@@ -13,7 +13,8 @@ of each of P's blocks (or P only some of D's). Sent as they are, that is one tin
 In the HND layout a block is ``[local_heads, block_size, content]``, so a head slice is one
 contiguous byte range of each block. On a GPU with Triton both copies are one fused kernel
 launch per layer group (``fused_copy``); elsewhere one ``index_select`` / ``index_copy_`` per
-layer. Either runs on the KV's device, off the forward path.
+layer. Either runs on the KV's device, off the forward path, and only once the request is
+checked against the KV's bounds (``bounds.py``).
 
 ``StagingPool`` bounds the memory: a fixed number of buffers of a fixed size, reused; a sender
 that finds none free waits (bounded by a timeout), so nothing is overwritten before it was
@@ -28,6 +29,7 @@ from collections.abc import Sequence
 import torch
 
 from vllm_layerkv.kv import fused_copy
+from vllm_layerkv.kv.bounds import BoundsError, KVBounds, check_indices, check_slot
 
 
 class StagingError(RuntimeError):
@@ -58,6 +60,15 @@ def pieces(num_layers: int, num_blocks: int, nbytes_per_block: int, limit: int
             for layer in range(num_layers) for lo in range(0, num_blocks, per_blocks)]
 
 
+def _slice_geometry(tensors: Sequence[torch.Tensor], local_heads: int, num_heads: int
+                    ) -> tuple[int, int]:
+    """(bytes of a ``num_heads`` slice of one block, bytes of one head)."""
+    if num_heads < 1:
+        raise BoundsError(f"a head slice of {num_heads} heads")
+    nbytes = slice_bytes(tensors[0].shape[1], local_heads, num_heads)
+    return nbytes, nbytes // num_heads
+
+
 def _heads_view(t: torch.Tensor, local_heads: int) -> torch.Tensor:
     """``[num_blocks, block_bytes]`` uint8 -> ``[num_blocks, local_heads, head_bytes]``."""
     return t.view(t.shape[0], local_heads, t.shape[1] // local_heads)
@@ -67,13 +78,13 @@ def gather(tensors: Sequence[torch.Tensor], layers: Sequence[int], blocks: Seque
            first_head: int, num_heads: int, local_heads: int, out: torch.Tensor) -> torch.Tensor:
     """Copy heads ``[first_head, first_head + num_heads)`` of ``blocks`` of every layer in
     ``layers`` into ``out`` (uint8, on the KV's device); returns the filled prefix of ``out``.
-    ``tensors[layer]`` is a layer's KV as ``[num_blocks, block_bytes]`` uint8."""
-    nbytes = slice_bytes(tensors[0].shape[1], local_heads, num_heads)
-    total = len(layers) * len(blocks) * nbytes
+    ``tensors[layer]`` is a layer's KV as ``[num_blocks, block_bytes]`` uint8. Raises
+    BoundsError (nothing copied) for a layer, block or head outside the KV."""
+    nbytes, head_bytes = _slice_geometry(tensors, local_heads, num_heads)
+    total = KVBounds.of(tensors, local_heads).check(layers, blocks, first_head, num_heads)
     if total > out.numel():
         raise StagingError(f"{total} B of head slices do not fit a {out.numel()} B buffer")
     idx = torch.as_tensor(list(blocks), dtype=torch.long, device=tensors[0].device)
-    head_bytes = nbytes // num_heads
     if fused_copy.copy_slices(tensors, layers, idx, first_head * head_bytes, nbytes, out,
                               to_buf=True):
         return out[:total]
@@ -87,13 +98,15 @@ def gather(tensors: Sequence[torch.Tensor], layers: Sequence[int], blocks: Seque
 def scatter(payload: torch.Tensor, tensors: Sequence[torch.Tensor], layers: Sequence[int],
             blocks: Sequence[int], first_head: int, num_heads: int, local_heads: int) -> None:
     """The inverse of ``gather``: write ``payload`` (gather's order) into heads
-    ``[first_head, first_head + num_heads)`` of ``blocks`` of every layer in ``layers``."""
-    nbytes = slice_bytes(tensors[0].shape[1], local_heads, num_heads)
-    if payload.numel() != len(layers) * len(blocks) * nbytes:
+    ``[first_head, first_head + num_heads)`` of ``blocks`` of every layer in ``layers``.
+    Checked before anything is written: a layer, block or head outside the KV raises
+    BoundsError, a payload of another size StagingError."""
+    nbytes, head_bytes = _slice_geometry(tensors, local_heads, num_heads)
+    total = KVBounds.of(tensors, local_heads).check(layers, blocks, first_head, num_heads)
+    if payload.numel() != total:
         raise StagingError(f"payload of {payload.numel()} B is not {len(layers)} layers x "
                            f"{len(blocks)} blocks x {nbytes} B")
     idx = torch.as_tensor(list(blocks), dtype=torch.long, device=tensors[0].device)
-    head_bytes = nbytes // num_heads
     if fused_copy.copy_slices(tensors, layers, idx, first_head * head_bytes, nbytes, payload,
                               to_buf=False):
         return
@@ -173,6 +186,8 @@ class RecvRing:
 
     def check_fits(self, nbytes: int) -> None:
         """Raise StagingError, saying what to change, when ``nbytes`` cannot fit a slot."""
+        if nbytes < 0:
+            raise StagingError(f"a write of {nbytes} B into the receive ring")
         if nbytes > self.slot_bytes:
             raise StagingError(f"{nbytes} B exceed the receive-ring slot of {self.slot_bytes} B;"
                                " give prefill a staging_buffer_mb no larger than decode's")
@@ -191,9 +206,12 @@ class RecvRing:
             return self._free.pop()
 
     def view(self, slot: int, nbytes: int) -> torch.Tensor:
+        """The first ``nbytes`` of slot ``slot`` (BoundsError outside the ring)."""
+        check_slot(slot, nbytes, self.slots, self.slot_bytes)
         return self.tensor[slot, :nbytes]
 
     def release(self, slot: int) -> None:
+        check_indices("receive-ring slot", [slot], self.slots)  # never grant a slot past the end
         with self._cond:
             if slot not in self._free:
                 self._free.append(slot)

@@ -14,6 +14,13 @@ already use (``vllm-router --kv-connector mooncake``, llm-d's sidecar in ``moonc
   ``POST /register`` their entry to it on the same host.
 * D asks ``remote_bootstrap_addr + "/query"`` and takes the entry whose ``engine_id`` is
   ``remote_engine_id`` (``resolve``), from the registration client's thread.
+
+With a LayerKV shared secret set, ``POST /register`` must carry the signed ``Authorization``
+header of ``wire/auth.py`` (``register_with`` signs). ``GET /query`` is answered without it
+unless ``bootstrap_query_auth`` is on: routers read it and do not sign, and its answer (engine
+ids and registration endpoints) lets no one into a LayerKV channel without the secret. D signs
+its own look-ups either way. The allowlist and the connection cap of ``wire/admission.py``
+apply here too, and a request must arrive within ``handshake_timeout_s``.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import json
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -29,6 +37,8 @@ from typing import Any
 from vllm_layerkv.common.backoff import Backoff
 from vllm_layerkv.common.log import init_logger
 from vllm_layerkv.common.threads import start_thread
+from vllm_layerkv.wire.admission import Gate, ListenerLimits, Slot
+from vllm_layerkv.wire.auth import AuthError, ChannelAuth, RequestVerifier, sign_request
 
 logger = init_logger(__name__)
 MAX_BODY_BYTES = 4096
@@ -47,22 +57,58 @@ def engine_entry(engine_id: str, endpoint: str) -> dict[str, Any]:
             "layerkv_endpoint": endpoint}
 
 
+class _GatedHTTPServer(ThreadingHTTPServer):
+    """One thread per connection, admitted by a ``Gate`` (allowlist, connection cap)."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler],
+                 gate: Gate):
+        self.gate = gate
+        self._slots: dict[int, Slot] = {}
+        self._slots_lock = threading.Lock()
+        super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        slot = self.gate.admit(request, client_address)
+        if slot is None:
+            return  # the gate closed it
+        with self._slots_lock:
+            self._slots[id(request)] = slot
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._slots_lock:
+            slot = self._slots.pop(id(request), None)
+        if slot is not None:
+            self.gate.release(slot)
+        super().shutdown_request(request)
+
+
 class BootstrapServer:
     """``GET /query`` and ``POST /register`` on ``host:port``, from a thread of its own."""
 
-    def __init__(self, host: str, port: int, dp_rank: int, engine_id: str, endpoint: str):
+    def __init__(self, host: str, port: int, dp_rank: int, engine_id: str, endpoint: str,
+                 auth: ChannelAuth | None = None, limits: ListenerLimits | None = None,
+                 query_auth: bool = False):
+        """``query_auth``: also require the signed header on ``GET /query``
+        (``bootstrap_query_auth``)."""
         self._entries: dict[str, dict[str, Any]] = {str(dp_rank): engine_entry(engine_id,
                                                                                endpoint)}
         self._lock = threading.Lock()
-        handler = _handler_for(self)
+        auth = auth or ChannelAuth()
+        limits = limits or ListenerLimits()
+        self.verifier = RequestVerifier(auth)
+        self.query_auth = query_auth and auth.requires_secret
+        handler = _handler_for(self, limits.handshake_timeout_s)
         try:
-            self._http = ThreadingHTTPServer((host, port), handler)
+            self._http = _GatedHTTPServer((host, port), handler,
+                                          Gate("bootstrap endpoint", host, auth, limits))
         except OSError as e:
             raise BootstrapError(
                 f"cannot serve the LayerKV bootstrap endpoint on {host}:{port}: {e}; set "
                 "kv_connector_extra_config.bootstrap_port to a free port (or 0 to turn the "
                 "endpoint off when no router reads it)") from None
-        self._http.daemon_threads = True
         self.port = self._http.server_address[1]
         start_thread(self._http.serve_forever, "layerkv-bootstrap")
         logger.info("LayerKV bootstrap endpoint http://%s:%d/query (engine %s)", host,
@@ -81,11 +127,17 @@ class BootstrapServer:
         self._http.server_close()
 
 
-def _handler_for(server: BootstrapServer) -> type[BaseHTTPRequestHandler]:
+def _handler_for(server: BootstrapServer, timeout: float) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
+        def setup(self) -> None:
+            self.timeout = timeout  # a request must arrive within handshake_timeout_s
+            super().setup()
+
         def do_GET(self) -> None:  # noqa: N802 - http.server's name
             if self.path.rstrip("/") != "/query":
                 self._answer(404, {"error": "the bootstrap endpoint serves GET /query"})
+                return
+            if server.query_auth and not self._signed("GET", b""):
                 return
             self._answer(200, server.entries())
 
@@ -97,7 +149,10 @@ def _handler_for(server: BootstrapServer) -> type[BaseHTTPRequestHandler]:
                 length = int(self.headers.get("Content-Length") or 0)
                 if not 0 < length <= MAX_BODY_BYTES:
                     raise ValueError(f"body of {length} bytes (1-{MAX_BODY_BYTES} expected)")
-                body = json.loads(self.rfile.read(length))
+                raw = self.rfile.read(length)
+                if not self._signed("POST", raw):
+                    return
+                body = json.loads(raw)
                 rank, engine_id, endpoint = (body["dp_rank"], body["engine_id"],
                                              body["layerkv_endpoint"])
                 if not (isinstance(rank, int) and rank >= 0 and isinstance(engine_id, str)
@@ -109,6 +164,19 @@ def _handler_for(server: BootstrapServer) -> type[BaseHTTPRequestHandler]:
                 return
             server.add(rank, engine_id, endpoint)
             self._answer(200, {"ok": True})
+
+        def _signed(self, method: str, body: bytes) -> bool:
+            """Whether the request carries a valid signature (without a secret: always);
+            answers 401 when not."""
+            try:
+                server.verifier.verify(method, self.path, body,
+                                       self.headers.get("Authorization"))
+            except AuthError as e:
+                logger.warning("LayerKV bootstrap endpoint refused %s %s from %s: %s", method,
+                               self.path[:64], self.client_address[0], e)
+                self._answer(401, {"error": str(e)})
+                return False
+            return True
 
         def _answer(self, status: int, body: Any) -> None:
             data = json.dumps(body).encode()
@@ -124,9 +192,11 @@ def _handler_for(server: BootstrapServer) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
-def register_with(host: str, port: int, dp_rank: int, engine_id: str, endpoint: str) -> None:
+def register_with(host: str, port: int, dp_rank: int, engine_id: str, endpoint: str,
+                  auth: ChannelAuth | None = None) -> None:
     """From a data-parallel rank other than 0: add this engine's entry to rank 0's endpoint,
-    retrying in the background while rank 0 starts."""
+    retrying in the background while rank 0 starts (each attempt signed afresh)."""
+    auth = auth or ChannelAuth()
     body = json.dumps({"dp_rank": dp_rank, "engine_id": engine_id,
                        "layerkv_endpoint": endpoint}).encode()
     url = f"http://{host}:{port}/register"
@@ -136,8 +206,9 @@ def register_with(host: str, port: int, dp_rank: int, engine_id: str, endpoint: 
         waited = 0.0
         while True:
             try:
-                req = urllib.request.Request(url, data=body, method="POST",
-                                             headers={"Content-Type": "application/json"})
+                headers = {"Content-Type": "application/json",
+                           **sign_request(auth, "POST", "/register", body)}
+                req = urllib.request.Request(url, data=body, method="POST", headers=headers)
                 with urllib.request.urlopen(req, timeout=5):
                     logger.info("LayerKV engine %s (data-parallel rank %d) registered with "
                                 "the bootstrap endpoint %s", engine_id, dp_rank, url)
@@ -155,13 +226,20 @@ def register_with(host: str, port: int, dp_rank: int, engine_id: str, endpoint: 
     start_thread(run, "layerkv-bootstrap-register")
 
 
-def resolve(bootstrap_addr: str, engine_id: str, timeout: float) -> str:
+def resolve(bootstrap_addr: str, engine_id: str, timeout: float,
+            auth: ChannelAuth | None = None) -> str:
     """P's LayerKV registration endpoint (``host:port``) for ``engine_id``, asked of the
-    bootstrap endpoint at ``bootstrap_addr`` (``http://host:port``)."""
+    bootstrap endpoint at ``bootstrap_addr`` (``http://host:port``), signed."""
     url = bootstrap_addr.rstrip("/") + "/query"
+    path = urllib.parse.urlsplit(url).path
+    request = urllib.request.Request(url, headers=sign_request(auth or ChannelAuth(), "GET",
+                                                               path))
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
             answer = json.loads(resp.read(1 << 20))
+    except urllib.error.HTTPError as e:
+        raise BootstrapError(f"the prefill bootstrap endpoint {url} answered HTTP {e.code}: "
+                             f"{_error_text(e)}") from None
     except (OSError, urllib.error.URLError, ValueError) as e:
         raise BootstrapError(f"cannot query the prefill bootstrap endpoint {url}: {e}") from None
     if not isinstance(answer, dict):
@@ -180,3 +258,12 @@ def resolve(bootstrap_addr: str, engine_id: str, timeout: float) -> str:
     raise BootstrapError(f"{url} knows no prefill engine {engine_id!r} (it lists {known}); "
                          "the router's remote_engine_id is stale if P restarted: pin "
                          "kv_transfer_config.engine_id on P")
+
+
+def _error_text(e: urllib.error.HTTPError) -> str:
+    """The ``error`` of a bootstrap endpoint's JSON answer, else the HTTP reason."""
+    try:
+        body = json.loads(e.read(4096))
+        return str(body["error"]) if isinstance(body, dict) and "error" in body else str(body)
+    except (OSError, ValueError):
+        return str(e.reason)

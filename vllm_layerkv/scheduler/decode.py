@@ -34,6 +34,7 @@ from vllm_layerkv.kv.groups import NULL_BLOCK
 from vllm_layerkv.metadata import LayerKVMetadata, RecvClose, RecvTask
 from vllm_layerkv.scheduler.registrar import RegistrationClient
 from vllm_layerkv.scheduler.request_params import DecodeParams, PrefillAddress
+from vllm_layerkv.wire.auth import ChannelAuth
 from vllm_layerkv.wire.protocol import Cancel, CompatInfo, FirstToken, Refused, Register
 
 if TYPE_CHECKING:
@@ -66,7 +67,8 @@ class DecodeScheduler:
         self._tp_size = tp_size
         self._engine_id = engine_id
         self._data_endpoints: list[str] = []
-        self._client = RegistrationClient(config.connect_timeout_s, config.io_timeout_s)
+        self._client = RegistrationClient(config.connect_timeout_s, config.io_timeout_s,
+                                          ChannelAuth.from_config(config))
         self._waiting: dict[str, _Waiting] = {}
         self._by_tid: dict[str, _Waiting] = {}
         self._local_hits: dict[str, int] = {}

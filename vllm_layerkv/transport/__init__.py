@@ -23,6 +23,8 @@ from vllm_layerkv.transport.base import (
 )
 from vllm_layerkv.transport.direct import DirectPlane, DirectUnavailable
 from vllm_layerkv.transport.tcp import RingShape, TcpTransport
+from vllm_layerkv.wire.admission import ListenerLimits
+from vllm_layerkv.wire.auth import ChannelAuth
 from vllm_layerkv.wire.planes import PLANES, PLANES_BY_NAME, TRANSPORTS, PlaneEntry
 
 logger = init_logger(__name__)
@@ -44,14 +46,18 @@ def create_transport(name: str, blocks: BlockIO, config: LayerKVConfig | None = 
         raise TransportError(f"unknown transport {name!r}; use one of {list(TRANSPORTS)}")
     config = config or LayerKVConfig()
     ring = RingShape(slots=config.recv_ring_slots, slot_bytes=config.staging_buffer_mb << 20)
+    pacing = config.tcp_pacing_gbps
+    auth = ChannelAuth.from_config(config)  # every connection authenticates
+    limits = ListenerLimits.from_config(config)
     if name == "tcp":
-        return TcpTransport(ring=ring)
+        return TcpTransport(ring=ring, pacing_gbps=pacing, auth=auth, limits=limits)
     if name != "auto":
         try:
             plane = _make_plane(PLANES_BY_NAME[name], blocks, config)
         except DirectUnavailable as e:
             raise TransportError(f"transport={name}: {e}; or use transport=auto / tcp") from None
-        return TcpTransport([plane], required=name, ring=ring)
+        return TcpTransport([plane], required=name, ring=ring, pacing_gbps=pacing, auth=auth,
+                            limits=limits)
 
     planes: list[DirectPlane] = []
     notes: list[str] = []
@@ -75,7 +81,7 @@ def create_transport(name: str, blocks: BlockIO, config: LayerKVConfig | None = 
     chosen = " > ".join([p.name for p in planes] + ["tcp"])
     logger.info("LayerKV transport=auto: %s (%s)", chosen,
                 "; ".join(notes) if notes else "every plane available")
-    return TcpTransport(planes, ring=ring)
+    return TcpTransport(planes, ring=ring, pacing_gbps=pacing, auth=auth, limits=limits)
 
 
 def _make_plane(entry: PlaneEntry, blocks: BlockIO, config: LayerKVConfig) -> DirectPlane:

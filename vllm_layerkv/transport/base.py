@@ -8,7 +8,11 @@ Acknowledgements arrive asynchronously through a callback.
 D side: the transport writes incoming blocks straight into KV memory. It asks a ``ReceiveSink``
 (the decode worker's bookkeeping) before every write whether the transfer is still wanted and
 whether the blocks belong to it, so a transfer that was aborted or timed out can never write into
-blocks vLLM already gave to another request.
+blocks vLLM already gave to another request. Every call names its ``Source``, the connection it
+came in on, so that only the connection a transfer is bound to can write into it, complete it or
+abort it.
+
+Both ends authenticate each connection before any message (``wire/auth.py``).
 
 Stream transports reach KV memory through a ``BlockIO`` (blockio.py: zero-copy on CPU, a pinned
 staging buffer on GPU). A transport that moves device memory itself (NIXL, Mooncake, CUDA IPC)
@@ -20,7 +24,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -30,6 +34,16 @@ from vllm_layerkv.wire.protocol import Hello, TransferAck
 
 class TransportError(RuntimeError):
     """A transfer could not be carried out (peer unreachable, refused, connection lost)."""
+
+
+class Source(NamedTuple):
+    """Who sent a data message: P's engine id, TP rank and TP size as the connection's
+    ``Hello`` said, and the connection (``link``, unique per connection in this process)."""
+
+    engine_id: str
+    tp_rank: int
+    tp_size: int
+    link: int
 
 
 @dataclass
@@ -128,22 +142,24 @@ class ReceiveSink(Protocol):
     def check_hello(self, hello: Hello) -> str | None:
         """None to accept a sender, else the refusal reason."""
 
-    def begin_write(self, transfer_id: str, dst_blocks: Sequence[int],
-                    source: tuple[str, int]) -> bool:
-        """True (and hold the transfer open) if the blocks may be written now."""
+    def begin_write(self, transfer_id: str, dst_blocks: Sequence[int], source: Source) -> bool:
+        """True (and hold the transfer open) if ``source`` may write the blocks now."""
 
     def end_write(self, transfer_id: str, nbytes: int) -> None: ...
 
     def on_done(self, transfer_id: str, src_rank: int, src_tp: int, frames: int,
-                nbytes: int) -> TransferAck | None:
+                nbytes: int, source: Source | None = None) -> TransferAck | None:
         """A source finished; returns the ack to send back once D is done with it."""
 
-    def on_nearly_done(self, transfer_id: str, src_rank: int, eta_s: float) -> None:
+    def on_nearly_done(self, transfer_id: str, src_rank: int, eta_s: float,
+                       source: Source | None = None) -> None:
         """A source expects to finish in about ``eta_s`` seconds (a hint)."""
 
-    def on_abort(self, transfer_id: str, reason: str) -> None: ...
+    def on_abort(self, transfer_id: str, reason: str, source: Source | None = None) -> None:
+        """Fail the transfer (P gave up, or this side refused a write of ``source``'s)."""
 
-    def on_source_lost(self, engine_id: str, src_rank: int, reason: str) -> None: ...
+    def on_source_lost(self, source: Source, reason: str) -> None:
+        """``source``'s connection ended: fail the transfers it carried."""
 
 
 class Transport(ABC):

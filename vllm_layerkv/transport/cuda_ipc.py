@@ -27,6 +27,7 @@ import msgspec
 import torch
 
 from vllm_layerkv.common.log import init_logger
+from vllm_layerkv.kv.bounds import KVBounds
 from vllm_layerkv.kv.staging import RecvRing, gather
 from vllm_layerkv.transport.direct import (
     DirectPlane,
@@ -34,8 +35,9 @@ from vllm_layerkv.transport.direct import (
     DirectWriteFailed,
     PeerWriter,
     StagedWrite,
-    check_blocks,
+    check_copy,
     check_geometry,
+    check_staged,
     device_uuid,
     host_id,
     paired_runs,
@@ -53,10 +55,12 @@ def copy_blocks(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor],
                 layers: Sequence[int], src_blocks: Sequence[int],
                 dst_blocks: Sequence[int]) -> int:
     """Copy ``src[layer][src_blocks]`` into ``dst[layer][dst_blocks]`` for every layer, on the
-    current stream; returns bytes copied. Tensors are ``[num_blocks, block_bytes]`` uint8."""
+    current stream; returns bytes copied. Tensors are ``[num_blocks, block_bytes]`` uint8.
+    Every index is checked against both sides first (DirectWriteFailed): a slice past the end
+    would copy less, a negative one wrap, and on a GPU ``index_copy_`` write out of bounds."""
     if len(src_blocks) != len(dst_blocks):
         raise ValueError("src_blocks and dst_blocks differ in length")
-    if not layers or not src_blocks:
+    if not check_copy(KVBounds.of(src), KVBounds.of(dst), layers, src_blocks, dst_blocks):
         return 0
     runs = paired_runs(src_blocks, dst_blocks)
     if len(runs) <= MAX_RUN_COPIES:
@@ -138,17 +142,14 @@ class PeerKV(PeerWriter):
                     ) -> StagedWrite:
         """Gather the head slices on P's GPU, then one copy into D's ring slot, both queued
         on this writer's stream; ``finish_staged`` waits for the copy's event."""
-        if self._ring is None or not 0 <= slot < self._ring.shape[0]:
-            raise DirectWriteFailed(f"decode granted receive-ring slot {slot}, which this "
-                                    "writer has not mapped")
+        if self._ring is None:
+            raise DirectWriteFailed("decode granted a receive-ring slot, but offered no ring")
+        n = check_staged(KVBounds.of(self._src, local_heads), layers, src_blocks, src_head,
+                         num_heads, slot, self._ring.shape[0], self._ring.shape[1])
         try:
             with torch.cuda.stream(self._stream):
                 payload = gather(self._src, layers, src_blocks, src_head, num_heads,
                                  local_heads, staging)
-                n = payload.numel()
-                if n > self._ring.shape[1]:
-                    raise DirectWriteFailed(f"{n} B of head slices exceed decode's "
-                                            f"{self._ring.shape[1]} B ring slot")
                 self._ring[slot, :n].copy_(payload, non_blocking=True)
                 copied = torch.cuda.Event()
                 copied.record(self._stream)
@@ -168,13 +169,12 @@ class PeerKV(PeerWriter):
     def write(self, layers: Sequence[int], src_blocks: Sequence[int],
               dst_blocks: Sequence[int]) -> int:
         """Copy and wait until the bytes are in D's memory; returns bytes copied."""
-        check_blocks(dst_blocks, self._dst[0].shape[0])
-        if self._dst[0].shape[1] != self._src[0].shape[1]:
-            raise DirectWriteFailed("whole blocks between ranks of different block sizes")
         try:
             with torch.cuda.stream(self._stream):
                 n = copy_blocks(self._src, self._dst, layers, src_blocks, dst_blocks)
             self._stream.synchronize()
+        except DirectWriteFailed:
+            raise  # refused before anything was copied
         except RuntimeError as e:
             raise DirectWriteFailed(f"device copy failed: {e}") from None
         return n

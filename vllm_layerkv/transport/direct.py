@@ -27,12 +27,19 @@ keep several in flight (``writes_in_flight``): P posts the next piece before it 
 last, and D scatters one piece while the next is written. How much more overlaps depends on the
 engine: NIXL over UCX tcp does much of a WRITE inside the post call, on the sender's thread.
 
+A writer checks every request before its plane moves a byte (``check_copy``,
+``check_staged``): layers and block ids against this worker's KV and against D's as exported,
+the head range, and the slot D granted and the write's size against D's ring. An engine or a
+mapped copy writes wherever its address arithmetic points, so nothing else stands between a bad
+index and D's memory.
+
 Planes: ``cuda_ipc.py`` (same host, KV on CUDA), ``nixl.py`` (NIXL agents: UCX, libfabric...),
 ``mooncake.py`` (Mooncake TransferEngine, tcp or rdma).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import threading
 from abc import ABC, abstractmethod
@@ -45,7 +52,8 @@ import msgspec
 import torch
 
 from vllm_layerkv.common.log import init_logger
-from vllm_layerkv.kv.staging import RecvRing, StagingError, gather, slice_bytes
+from vllm_layerkv.kv.bounds import BoundsError, KVBounds, check_slot
+from vllm_layerkv.kv.staging import RecvRing, StagingError, gather
 from vllm_layerkv.wire.planes import DirectExport
 from vllm_layerkv.wire.protocol import Hello
 
@@ -124,9 +132,42 @@ def check_geometry(plane: str, num_layers: int, block_bytes: int, local: Sequenc
             f"worker has {len(local)} x {local[0].shape[1]} B{hint}")
 
 
-def check_blocks(blocks: Sequence[int], num_blocks: int) -> None:
-    if any(not 0 <= b < num_blocks for b in blocks):
-        raise ValueError(f"block id out of range 0..{num_blocks - 1} in {list(blocks)[:8]}")
+def check_copy(src: KVBounds, dst: KVBounds, layers: Sequence[int], src_blocks: Sequence[int],
+               dst_blocks: Sequence[int]) -> int:
+    """A whole-block copy of every listed layer's ``src_blocks`` into ``dst_blocks``, checked
+    against both sides' KV before anything moves (raises DirectWriteFailed, naming the side);
+    returns its bytes."""
+    if len(src_blocks) != len(dst_blocks):
+        raise DirectWriteFailed("src_blocks and dst_blocks differ in length")
+    if src.block_bytes != dst.block_bytes:
+        raise DirectWriteFailed(f"whole blocks between ranks of different block sizes "
+                                f"({src.block_bytes} B here, {dst.block_bytes} B on decode)")
+    try:
+        src.check(layers, src_blocks)
+    except BoundsError as e:
+        raise DirectWriteFailed(f"this worker's KV: {e}") from None
+    try:
+        return dst.check(layers, dst_blocks)
+    except BoundsError as e:
+        raise DirectWriteFailed(f"decode's KV: {e}") from None
+
+
+def check_staged(local: KVBounds, layers: Sequence[int], src_blocks: Sequence[int],
+                 src_head: int, num_heads: int, slot: int, ring_slots: int,
+                 ring_slot_bytes: int) -> int:
+    """A ring write: a head slice of this worker's KV, gathered and written into slot ``slot``
+    of decode's ring, checked before anything moves (raises DirectWriteFailed); returns its
+    bytes."""
+    try:
+        nbytes = local.check(layers, src_blocks, src_head, num_heads)
+    except BoundsError as e:
+        raise DirectWriteFailed(f"this worker's KV: {e}") from None
+    try:
+        check_slot(slot, nbytes, ring_slots, ring_slot_bytes)
+    except BoundsError as e:
+        raise DirectWriteFailed(f"decode granted {e} of its {ring_slots} x {ring_slot_bytes} B "
+                                "receive ring") from None
+    return nbytes
 
 
 @dataclass
@@ -246,6 +287,11 @@ class AddressedPeer(PeerWriter):
         self.local_addrs = [t.data_ptr() for t in local]
         self.local_blocks = local[0].shape[0]
         self.block_bytes = remote.block_bytes
+        self.local_bounds = KVBounds.of(local)
+        self.remote_bounds = KVBounds(len(remote.layer_addrs), remote.num_blocks,
+                                      remote.block_bytes)
+        """What a write may address on each side: every engine descriptor is computed from
+        requests checked against them."""
         self.ring_addr = remote.ring_addr
         self.ring_slots = remote.ring_slots
         self.ring_slot_bytes = remote.ring_slot_bytes
@@ -264,16 +310,11 @@ class AddressedPeer(PeerWriter):
 
     def write(self, layers: Sequence[int], src_blocks: Sequence[int],
               dst_blocks: Sequence[int]) -> int:
-        if self.block_bytes != self.local[0].shape[1]:
-            raise DirectWriteFailed(f"whole blocks between ranks of different block sizes "
-                                    f"({self.local[0].shape[1]} B here, {self.block_bytes} B "
-                                    "on decode)")
-        check_blocks(src_blocks, self.local_blocks)
-        check_blocks(dst_blocks, self.remote_blocks)
-        if not layers or not src_blocks:
-            return 0
-        self.write_runs(layers, paired_runs(src_blocks, dst_blocks), src_blocks, dst_blocks)
-        return len(layers) * len(src_blocks) * self.block_bytes
+        nbytes = check_copy(self.local_bounds, self.remote_bounds, layers, src_blocks,
+                            dst_blocks)
+        if nbytes:
+            self.write_runs(layers, paired_runs(src_blocks, dst_blocks), src_blocks, dst_blocks)
+        return nbytes
 
     def post_staged(self, local_heads: int, layers: Sequence[int], src_blocks: Sequence[int],
                     src_head: int, num_heads: int, staging: torch.Tensor, slot: int
@@ -281,18 +322,9 @@ class AddressedPeer(PeerWriter):
         """Gather the head slices into ``staging`` (on the KV's device), then post one write of
         the filled prefix into ring slot ``slot``; with ``host_bounce`` on a GPU, the engine
         writes from a pinned host copy of it (``staging``'s host twin)."""
-        if not 0 <= slot < self.ring_slots:
-            raise DirectWriteFailed(f"decode granted receive-ring slot {slot}, but offered "
-                                    f"{self.ring_slots} slots")
-        check_blocks(src_blocks, self.local_blocks)
-        try:
-            n = len(layers) * len(src_blocks) * slice_bytes(self.local[0].shape[1], local_heads,
-                                                            num_heads)
-        except StagingError as e:
-            raise DirectWriteFailed(str(e)) from None
-        if n > self.ring_slot_bytes:
-            raise DirectWriteFailed(f"{n} B of slices exceed decode's {self.ring_slot_bytes} B "
-                                    "ring slot")
+        local = dataclasses.replace(self.local_bounds, local_heads=local_heads)
+        n = check_staged(local, layers, src_blocks, src_head, num_heads, slot, self.ring_slots,
+                         self.ring_slot_bytes)
         if not n:
             return StagedWrite(0)
         source = staging

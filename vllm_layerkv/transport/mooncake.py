@@ -9,6 +9,8 @@ not): P writes into D's KV with the Mooncake ``TransferEngine``.
 * P writes one batch per layer group: one entry per (layer, run of blocks adjacent on both
   sides), with ``batch_transfer_sync_write``, which returns once the batch is in D's memory
   and releases the GIL while it waits (measured), so the sender thread blocks, not the engine.
+  Every entry is computed from a request ``AddressedPeer`` checked first against P's KV, D's
+  export and D's ring (``kv/bounds.py``).
 * Different TP (head slices): D registers its receive ring with its engine when the first such
   sender connects, before answering its Hello (P's engine fetches D's segment, registered
   buffers included, on its first write), and offers the ring's address; P registers each

@@ -9,6 +9,9 @@ IPC, shared memory, TCP...).
   adjacent on both sides): a prompt's blocks are usually a few runs, so a layer group is a few
   descriptors. Scattered block lists (more than ``MAX_COALESCED_RUNS`` runs) use per-block
   descriptor lists prepared once per peer and reused by index for every later request.
+* Every descriptor is computed from a request ``AddressedPeer`` checked first: layers and
+  block ids against P's KV and D's export, the granted slot and the size against D's ring
+  (``kv/bounds.py``).
 * Completion: P polls the request with a growing sleep (no busy spin) and only then reports
   ``DirectWritten`` on the control connection; NIXL's DONE means the bytes are in the target's
   memory. Ring writes are posted and polled in two halves (``post_span`` / ``wait_span``), so

@@ -18,6 +18,15 @@ complete (``DirectWritten``). So D never reports a transfer, and vLLM never reus
 while P may still be writing into them. When no plane works P sends bytes, unless the plane was
 required (``transport`` named it), in which case the transfer fails with every plane's reason.
 
+Every connection starts with the authentication handshake (``wire/auth.py``) before P's
+``Hello``: D's listener admits a connection through a ``Gate`` (allowlist, ``max_connections``,
+``handshake_timeout_s``; ``wire/admission.py``) and reads nothing from a peer that has not
+proved the shared secret, so its exports (IPC handles, NIXL metadata, Mooncake addresses) reach
+authenticated peers only. Each message D reads names its ``Source`` (the connection's ``Hello``
+and the connection itself): the receive table lets a transfer be written, completed or aborted
+only by the connection it is bound to. A ``TransferDone`` or ``TransferNearlyDone`` naming a
+rank other than its connection's is a protocol error.
+
 Threads: D runs one accept thread and one reader thread per connection; P runs one ack-reader
 thread per connection (the sender thread writes). P's end of a connection is
 ``tcp_channel.TcpSendChannel``; this module opens it, and serves D's end. Each end has a hook
@@ -26,6 +35,7 @@ thread per connection (the sender thread writes). P's end of a connection is
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import threading
@@ -45,6 +55,7 @@ from vllm_layerkv.kv.staging import RecvRing, StagingError, scatter
 from vllm_layerkv.transport.base import (
     ReceiveSink,
     SendChannel,
+    Source,
     Transport,
     TransportError,
 )
@@ -55,8 +66,11 @@ from vllm_layerkv.transport.direct import (
     host_id,
 )
 from vllm_layerkv.transport.hooks import TEST_HOOK_ENV, ConnectionHook
+from vllm_layerkv.transport.pacing import pacer_for
 from vllm_layerkv.transport.tcp_channel import TcpSendChannel, WritePath
 from vllm_layerkv.wire import framing
+from vllm_layerkv.wire.admission import Gate, ListenerLimits, Slot, keepalive
+from vllm_layerkv.wire.auth import AuthError, ChannelAuth, connect_handshake
 from vllm_layerkv.wire.protocol import (
     BlockData,
     DirectWrite,
@@ -76,6 +90,8 @@ SCRATCH_BYTES = 4 * 1024 * 1024
 SLOT_POLL_S = 0.001
 """D: how often a connection with a ring write waiting for a slot looks for one."""
 _SCATTER_STREAMS: dict[int, torch.cuda.Stream] = {}
+_links = itertools.count(1)
+"""Numbers D's data connections (``Source.link``), each unique in this process."""
 
 
 def _scatter_stream(device: torch.device) -> torch.cuda.Stream:
@@ -107,12 +123,20 @@ class RingShape:
 
 class TcpTransport(Transport):
     def __init__(self, planes: Sequence[DirectPlane] = (), required: str = "",
-                 ring: RingShape = RingShape()) -> None:
+                 ring: RingShape = RingShape(), pacing_gbps: float = 0.0,
+                 auth: ChannelAuth | None = None, limits: ListenerLimits | None = None) -> None:
+        """``auth``: the shared secret and allowlist of every connection (default: none);
+        ``limits``: D's listener limits."""
+        self._auth = auth or ChannelAuth()
+        self._limits = limits or ListenerLimits()
+        self._gate: Gate | None = None
         self._planes = list(planes)
         """Direct-write planes this worker can use, in order of preference."""
         self._required = required
         """The ``transport`` setting when it named a plane: no falling back to bytes."""
         self._ring_shape = ring
+        self._pacer = pacer_for(pacing_gbps)
+        """P: paces this worker's byte payloads (``tcp_pacing_gbps``); None = off."""
         self._new_hook = connection_hooks()
         """Makes each connection end's hook; chosen once, here."""
         self._ring: RecvRing | None = None
@@ -144,9 +168,18 @@ class TcpTransport(Transport):
                                             direct=[p.name for p in self._planes])
         try:
             sock = framing.connect(endpoint, timeout)
+        except OSError as e:
+            raise TransportError(f"cannot reach decode data endpoint {endpoint}: {e}") from None
+        try:
+            connect_handshake(sock, self._auth, timeout)
             framing.send_message(sock, hello)
-            reply = framing.recv_message(sock)
+            reply = framing.recv_message(sock, HelloAck, Refused)
+        except AuthError as e:
+            sock.close()
+            raise TransportError(f"decode data endpoint {endpoint} and this prefill instance "
+                                 f"did not authenticate each other: {e}") from None
         except (OSError, framing.PeerClosed) as e:
+            sock.close()
             raise TransportError(f"cannot reach decode data endpoint {endpoint}: {e}") from None
         if isinstance(reply, Refused):
             sock.close()
@@ -161,7 +194,7 @@ class TcpTransport(Transport):
             logger.error("LayerKV: %s", path.refusal)
         sock.settimeout(io_timeout)  # a D that stops reading fails the send, not hangs it
         return TcpSendChannel(sock, endpoint, blocks, on_ack, on_lost, path, io_timeout,
-                              self._new_hook())
+                              self._new_hook(), self._pacer)
 
     def _attach(self, endpoint: str, reply: HelloAck) -> PeerWriter | None:
         """The first plane, in this worker's order, that reaches D's KV; None to send bytes."""
@@ -204,6 +237,7 @@ class TcpTransport(Transport):
                                "instances will use another path", plane.name, e)
                 self._planes.remove(plane)
         self._prepare_bounce(blocks)
+        self._gate = Gate("data listener", host, self._auth, self._limits)
         self._server = framing.listen(host, port)
         bound_port = self._server.getsockname()[1]
         start_thread(self._accept_loop, "layerkv-accept", sink, blocks, io_timeout)
@@ -224,24 +258,31 @@ class TcpTransport(Transport):
                 pass
             c.close()
 
+    @property
+    def connections(self) -> int:
+        """D: data connections being served now."""
+        return self._gate.active if self._gate is not None else 0
+
     def _accept_loop(self, sink: ReceiveSink, blocks: BlockIO, io_timeout: float) -> None:
-        assert self._server is not None
+        assert self._server is not None and self._gate is not None
         while not self._stop.is_set():
             try:
                 conn, addr = self._server.accept()
             except OSError:
                 return
+            slot = self._gate.admit(conn, addr)
+            if slot is None:
+                continue
             framing.tune(conn)
-            conn.settimeout(io_timeout)
             with self._lock:
                 self._conns.add(conn)
-            start_thread(self._serve, f"layerkv-recv-{addr[1]}", conn, addr, sink, blocks)
+            start_thread(self._serve, f"layerkv-recv-{addr[1]}", conn, addr, slot, sink, blocks,
+                         io_timeout)
 
-    def _serve(self, conn: socket.socket, addr: tuple, sink: ReceiveSink,
-               blocks: BlockIO) -> None:
-        peer = f"{addr[0]}:{addr[1]}"
-        hello: Hello | None = None
-        scratch = memoryview(bytearray(SCRATCH_BYTES))
+    def _serve(self, conn: socket.socket, addr: tuple, slot: Slot, sink: ReceiveSink,
+               blocks: BlockIO, io_timeout: float) -> None:
+        source: Source | None = None
+        scratch = _Scratch()
         granted: dict[int, tuple[DirectWrite, int, RecvRing | None]] = {}
         """seq -> (request, ring slot or -1, its ring) of direct writes in progress."""
         waiting: deque[tuple[DirectWrite, RecvRing, float]] = deque()
@@ -250,16 +291,20 @@ class TcpTransport(Transport):
         rings: dict[str, RecvRing] = {}
         """plane name -> the receive ring offered to this sender with it."""
         hook = self._new_hook()
+        assert self._gate is not None
         try:
-            first = framing.recv_message(conn)
+            if not self._gate.authenticate(slot, addr):
+                return
+            keepalive(conn)
+            conn.settimeout(io_timeout)
+            first = framing.recv_message(conn, Hello)
             if not isinstance(first, Hello):
                 raise TransportError(f"expected Hello, got {type(first).__name__}")
             refusal = sink.check_hello(first)
             if refusal is not None:
-                logger.error("refusing LayerKV sender %s: %s", peer, refusal)
                 framing.send_message(conn, Refused(transfer_id="", reason=refusal))
                 return
-            hello = first
+            source = Source(first.engine_id, first.tp_rank, first.tp_size, next(_links))
             tp_differs = first.tp_size != sink.tp_size
             exports = []
             for plane in self._planes:
@@ -278,23 +323,22 @@ class TcpTransport(Transport):
                 # A ring write waiting for a slot is retried between messages: the thread
                 # keeps reading, since the write that frees a slot may be this sender's own.
                 if waiting:
-                    self._grant_waiting(conn, waiting, granted, sink)
+                    self._grant_waiting(conn, waiting, granted, sink, source)
                 if not framing.wait_readable(conn, SLOT_POLL_S if waiting else 1.0):
                     continue
-                msg = framing.recv_message(conn)
+                msg = framing.recv_message(conn, *framing.PREFILL_TO_DECODE)
                 if isinstance(msg, BlockData):
-                    self._receive_blocks(conn, msg, sink, blocks, scratch,
-                                         (hello.engine_id, hello.tp_rank))
+                    self._receive_blocks(conn, msg, sink, blocks, scratch, source)
                 elif isinstance(msg, DirectWrite) and exports:
-                    ok = self._grant(msg, sink, blocks, (hello.engine_id, hello.tp_rank))
+                    ok = self._grant(msg, sink, blocks, source)
                     ring = rings.get(msg.plane) if msg.num_heads else None
                     if ok and msg.num_heads:
-                        if not self._fits_ring(msg, ring, sink):
+                        if not self._fits_ring(msg, ring, sink, source):
                             ok = False
                         else:  # granted in turn, when a slot is free (back-pressure)
                             assert ring is not None
                             waiting.append((msg, ring, time.monotonic() + self._ring_wait_s))
-                            self._grant_waiting(conn, waiting, granted, sink)
+                            self._grant_waiting(conn, waiting, granted, sink, source)
                             if waiting and waiting[-1][0] is msg:
                                 ring.waits += 1
                             continue
@@ -308,22 +352,25 @@ class TcpTransport(Transport):
                         nbytes = self._scatter_slot(request, slot, nbytes, ring, blocks)
                     sink.end_write(request.transfer_id, nbytes)
                 elif isinstance(msg, TransferDone):
-                    ack = sink.on_done(msg.transfer_id, msg.tp_rank, hello.tp_size, msg.frames,
-                                       msg.nbytes)
+                    _check_rank(msg, source)
+                    ack = sink.on_done(msg.transfer_id, source.tp_rank, source.tp_size,
+                                       msg.frames, msg.nbytes, source)
                     if ack is not None and hook.sends(ack):
                         framing.send_message(conn, ack)
                 elif isinstance(msg, TransferNearlyDone):
-                    sink.on_nearly_done(msg.transfer_id, msg.tp_rank, msg.eta_s)
+                    _check_rank(msg, source)
+                    sink.on_nearly_done(msg.transfer_id, source.tp_rank, msg.eta_s, source)
                 elif isinstance(msg, TransferAbort):
-                    sink.on_abort(msg.transfer_id, msg.reason)
+                    sink.on_abort(msg.transfer_id, msg.reason, source)
                 else:
                     raise TransportError(f"unexpected {type(msg).__name__} on a data connection")
         except (OSError, framing.PeerClosed, TransportError, Exception) as e:  # noqa: BLE001
             self._release_grants(granted, waiting, sink)
-            if not self._stop.is_set() and hello is not None:
-                sink.on_source_lost(hello.engine_id, hello.tp_rank, f"connection lost: {e}")
+            if not self._stop.is_set() and source is not None:
+                sink.on_source_lost(source, f"connection lost: {e}")
         finally:
             self._release_grants(granted, waiting, sink)
+            self._gate.release(slot)
             with self._lock:
                 self._conns.discard(conn)
             conn.close()
@@ -404,7 +451,8 @@ class TcpTransport(Transport):
             return self._host_ring
 
     @staticmethod
-    def _fits_ring(msg: DirectWrite, ring: RecvRing | None, sink: ReceiveSink) -> bool:
+    def _fits_ring(msg: DirectWrite, ring: RecvRing | None, sink: ReceiveSink,
+                   source: Source) -> bool:
         """Whether a ring write can be served at all; if not, the write is refused and the
         transfer failed, saying why."""
         try:
@@ -413,14 +461,14 @@ class TcpTransport(Transport):
             ring.check_fits(msg.nbytes)
         except StagingError as e:
             sink.end_write(msg.transfer_id, 0)
-            sink.on_abort(msg.transfer_id, f"head-slice write refused: {e}")
+            sink.on_abort(msg.transfer_id, f"head-slice write refused: {e}", source)
             return False
         return True
 
     def _grant_waiting(self, conn: socket.socket,
                        waiting: deque[tuple[DirectWrite, RecvRing, float]],
                        granted: dict[int, tuple[DirectWrite, int, RecvRing | None]],
-                       sink: ReceiveSink) -> None:
+                       sink: ReceiveSink, source: Source) -> None:
         """Grant the waiting ring writes, in order, while slots are free; refuse (and fail the
         transfer of) one whose wait ran out. The caller's thread never blocks on the ring: P
         may hold a slot for a write it reports only once its next write is granted."""
@@ -432,7 +480,7 @@ class TcpTransport(Transport):
                     return
                 sink.end_write(msg.transfer_id, 0)
                 sink.on_abort(msg.transfer_id, "head-slice write refused: no receive-ring slot "
-                              f"was freed within {self._ring_wait_s:.1f} s")
+                              f"was freed within {self._ring_wait_s:.1f} s", source)
                 ok = False
             else:
                 granted[msg.seq] = (msg, slot, ring)
@@ -466,8 +514,7 @@ class TcpTransport(Transport):
             ring.release(slot)
 
     @staticmethod
-    def _grant(msg: DirectWrite, sink: ReceiveSink, blocks: BlockIO,
-               source: tuple[str, int]) -> bool:
+    def _grant(msg: DirectWrite, sink: ReceiveSink, blocks: BlockIO, source: Source) -> bool:
         if any(not 0 <= layer < blocks.num_layers for layer in msg.layers):
             raise TransportError(f"malformed DirectWrite for {msg.transfer_id}: layers "
                                  f"{msg.layers} outside 0..{blocks.num_layers - 1}")
@@ -475,8 +522,7 @@ class TcpTransport(Transport):
 
     @staticmethod
     def _receive_blocks(conn: socket.socket, msg: BlockData, sink: ReceiveSink,
-                        blocks: BlockIO, scratch: memoryview,
-                        source: tuple[str, int]) -> None:
+                        blocks: BlockIO, scratch: _Scratch, source: Source) -> None:
         if msg.num_heads and not (0 <= msg.first_head
                                   and msg.first_head + msg.num_heads <= blocks.local_heads):
             raise TransportError(f"malformed BlockData for {msg.transfer_id}: heads "
@@ -493,7 +539,7 @@ class TcpTransport(Transport):
                 f"{block_bytes}, nbytes {msg.nbytes} vs {expected}"
             )
         if not sink.begin_write(msg.transfer_id, msg.dst_blocks, source):
-            framing.discard(conn, msg.nbytes, scratch)
+            framing.discard(conn, msg.nbytes, scratch.view)
             return
         written = 0
         bufs = (blocks.write_slices(msg.layers, msg.dst_blocks, msg.first_head, msg.num_heads)
@@ -504,3 +550,25 @@ class TcpTransport(Transport):
             written = msg.nbytes
         finally:
             sink.end_write(msg.transfer_id, written)
+
+
+class _Scratch:
+    """A connection's buffer for payloads nobody wants (frames of a closed transfer), made on
+    first use: most connections never need it, and one that has not authenticated must not
+    cost SCRATCH_BYTES."""
+
+    def __init__(self) -> None:
+        self._view: memoryview | None = None
+
+    @property
+    def view(self) -> memoryview:
+        if self._view is None:
+            self._view = memoryview(bytearray(SCRATCH_BYTES))
+        return self._view
+
+
+def _check_rank(msg: TransferDone | TransferNearlyDone, source: Source) -> None:
+    """A connection speaks for the P rank its ``Hello`` named, and for no other."""
+    if msg.tp_rank != source.tp_rank:
+        raise TransportError(f"{type(msg).__name__} for {msg.transfer_id} names prefill rank "
+                             f"{msg.tp_rank} on the connection of rank {source.tp_rank}")

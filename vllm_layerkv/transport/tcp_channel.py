@@ -26,6 +26,7 @@ from vllm_layerkv.kv.blockio import BlockIO
 from vllm_layerkv.transport.base import PendingWrite, SendChannel, TransportError
 from vllm_layerkv.transport.direct import DirectWriteFailed, PeerWriter
 from vllm_layerkv.transport.hooks import ConnectionHook
+from vllm_layerkv.transport.pacing import TokenBucket
 from vllm_layerkv.wire import framing
 from vllm_layerkv.wire.protocol import (
     BlockData,
@@ -63,7 +64,8 @@ class WritePath:
 class TcpSendChannel(SendChannel):
     def __init__(self, sock: socket.socket, endpoint: str, blocks: BlockIO,
                  on_ack: Callable[[TransferAck], None], on_lost: Callable[[str], None],
-                 path: WritePath, io_timeout: float, hook: ConnectionHook):
+                 path: WritePath, io_timeout: float, hook: ConnectionHook,
+                 pacer: TokenBucket | None = None):
         self._sock = sock
         self._endpoint = endpoint
         self._blocks = blocks
@@ -77,6 +79,9 @@ class TcpSendChannel(SendChannel):
         self._hook = hook
         """This end's hook points (``hooks.py``): before each write, before each per-transfer
         message."""
+        # payload bytes at the emulated link's rate (tcp_pacing_gbps), else straight out
+        self._send_payload = (sock.sendall if pacer is None
+                              else lambda data: pacer.sendall(sock, data))
         self._grants: queue.SimpleQueue[WriteGrant | None] = queue.SimpleQueue()
         self._seq = 0
         self._reader = start_thread(self._read_acks, f"layerkv-acks-{endpoint}")
@@ -107,7 +112,7 @@ class TcpSendChannel(SendChannel):
         try:
             framing.send_message(self._sock, header)
             for buf in self._blocks.read(layers, src_blocks):
-                self._sock.sendall(buf)
+                self._send_payload(buf)
         except OSError as e:
             self._fail(f"send to {self._endpoint} failed: {e}")
             raise TransportError(f"send to decode {self._endpoint} failed: {e}") from None
@@ -167,7 +172,7 @@ class TcpSendChannel(SendChannel):
         payload = self._blocks.read_slices(layers, src_blocks, src_head, num_heads, staging)
         try:
             framing.send_message(self._sock, header)
-            self._sock.sendall(payload)
+            self._send_payload(payload)
         except OSError as e:
             self._fail(f"send to {self._endpoint} failed: {e}")
             raise TransportError(f"send to decode {self._endpoint} failed: {e}") from None
@@ -305,7 +310,7 @@ class TcpSendChannel(SendChannel):
                 # acks may be minutes apart: wait for readability, then read one message
                 if not framing.wait_readable(self._sock, 1.0):
                     continue
-                msg = framing.recv_message(self._sock)
+                msg = framing.recv_message(self._sock, TransferAck, WriteGrant)
                 if isinstance(msg, TransferAck):
                     self._on_ack(msg)
                 elif isinstance(msg, WriteGrant):

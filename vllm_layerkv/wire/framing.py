@@ -1,4 +1,8 @@
-"""Blocking socket helpers shared by the control channel and the TCP data transport."""
+"""Blocking socket helpers shared by the control channel and the TCP data transport.
+
+``recv_message`` reads one frame within the limits of what the connection accepts next
+(``protocol.MessageLimits``): a peer's length header decides what is read, never what is
+allocated ahead of the bytes."""
 
 from __future__ import annotations
 
@@ -7,12 +11,20 @@ import socket
 
 from vllm_layerkv.wire.protocol import (
     FRAME_HEADER,
-    MAX_MESSAGE_BYTES,
+    LIMITS,
+    PREFILL_TO_DECODE,  # noqa: F401 - re-exported: what D's data connection reads after Hello
     Message,
+    MessageLimits,
     ProtocolError,
     decode,
     encode,
 )
+
+FIRST_CHUNK = 64 * 1024
+"""A frame's body is read into a buffer of this size first (every control message fits), which
+then doubles, up to the frame's length, each time it is full: a peer that announces a long
+frame and sends nothing costs one chunk, and a long frame's buffer is never more than twice
+what has arrived."""
 
 
 class PeerClosed(ConnectionError):
@@ -35,11 +47,31 @@ def recv_exact(sock: socket.socket, n: int) -> bytearray:
     return buf
 
 
-def recv_message(sock: socket.socket) -> Message:
+def recv_message(sock: socket.socket, *kinds: type, limits: MessageLimits = LIMITS) -> Message:
+    """Read and decode one frame, which may be one of ``kinds`` (what the connection accepts
+    at this point; none: any type), at ``limits``. The length header is checked against the
+    largest of those kinds before anything else is read, the body is read as its bytes arrive
+    (``recv_growing``), and the decoded message must fit its own type's limit. Raises
+    ProtocolError naming the type and limit (the caller drops the connection), PeerClosed, or
+    the socket's OSError (its timeout)."""
+    accepting = limits.accepting(*kinds)
     (length,) = FRAME_HEADER.unpack(recv_exact(sock, FRAME_HEADER.size))
-    if length > MAX_MESSAGE_BYTES:
-        raise ProtocolError(f"message of {length} bytes exceeds the {MAX_MESSAGE_BYTES} limit")
-    return decode(recv_exact(sock, length))
+    if length > accepting.max_bytes:
+        raise ProtocolError(accepting.frame_refusal(length))
+    msg = decode(recv_growing(sock, length))
+    limits.check(msg, length)
+    return msg
+
+
+def recv_growing(sock: socket.socket, n: int) -> bytearray:
+    """``n`` bytes from ``sock``, in a buffer that grows as they arrive (``FIRST_CHUNK``)."""
+    buf = recv_exact(sock, min(n, FIRST_CHUNK))
+    while len(buf) < n:
+        got = len(buf)
+        buf.extend(bytes(min(got, n - got)))
+        with memoryview(buf) as view:
+            recv_exact_into(sock, view[got:])
+    return buf
 
 
 def send_message(sock: socket.socket, msg: Message) -> None:

@@ -18,6 +18,8 @@ Two channels use it:
 
 Framing: a 4-byte big-endian length, then the msgpack-encoded message (a tagged union, so the
 receiver decodes without knowing the type). ``BlockData`` is followed by ``nbytes`` of payload.
+Every message type has a size limit (``MessageLimits``, at the end of this module): a receiver
+reads a frame only when its length is within the limit of what the connection accepts next.
 
 ``PROTOCOL_VERSION`` changes whenever a message changes shape or meaning; ``CompatInfo`` carries
 it together with everything that must match for raw KV bytes to mean the same on both sides.
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from dataclasses import dataclass, field
 from typing import Union
 
 import msgspec
@@ -35,7 +38,6 @@ from vllm_layerkv.wire.planes import PlaneExports
 
 PROTOCOL_VERSION = 8
 FRAME_HEADER = struct.Struct("!I")
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
 class ProtocolError(RuntimeError):
@@ -93,6 +95,16 @@ def compatibility_error(local: CompatInfo, remote: CompatInfo, remote_name: str)
     )
 
 
+REASON_CHARS = 2000
+"""Free-text reasons (``Cancel``, ``Refused``, ``TransferAbort``, ``TransferAck``) are cut to
+this many characters when a message is made, so that an honest message always fits its type's
+size limit, however long the error it reports."""
+
+
+def cut_reason(reason: str) -> str:
+    return reason if len(reason) <= REASON_CHARS else reason[:REASON_CHARS - 3] + "..."
+
+
 # ---------------------------------------------------------------- control channel (schedulers)
 
 
@@ -123,6 +135,9 @@ class Cancel(msgspec.Struct, tag=True, kw_only=True):
     transfer_id: str
     reason: str
 
+    def __post_init__(self) -> None:
+        self.reason = cut_reason(self.reason)
+
 
 class FirstToken(msgspec.Struct, tag=True, kw_only=True):
     """P -> D, unasked, on the connection that registered ``transfer_id``: the token P's
@@ -143,6 +158,9 @@ class Refused(msgspec.Struct, tag=True, kw_only=True):
 
     transfer_id: str
     reason: str
+
+    def __post_init__(self) -> None:
+        self.reason = cut_reason(self.reason)
 
 
 # ---------------------------------------------------------------- data channel (workers)
@@ -247,6 +265,9 @@ class TransferAbort(msgspec.Struct, tag=True, kw_only=True):
     transfer_id: str
     reason: str
 
+    def __post_init__(self) -> None:
+        self.reason = cut_reason(self.reason)
+
 
 class TransferAck(msgspec.Struct, tag=True, kw_only=True):
     """D -> P: D is done with ``transfer_id`` (ok=False: D dropped it, e.g. aborted)."""
@@ -255,11 +276,18 @@ class TransferAck(msgspec.Struct, tag=True, kw_only=True):
     ok: bool
     reason: str = ""
 
+    def __post_init__(self) -> None:
+        self.reason = cut_reason(self.reason)
+
 
 Message = Union[
     Register, Cancel, RegisterAck, Refused, FirstToken, Hello, HelloAck, BlockData, DirectWrite,
     WriteGrant, DirectWritten, TransferNearlyDone, TransferDone, TransferAbort, TransferAck,
 ]
+
+PREFILL_TO_DECODE = (BlockData, DirectWrite, DirectWritten, TransferNearlyDone, TransferDone,
+                     TransferAbort)
+"""What a data connection carries from P to D after the ``Hello``."""
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
@@ -271,8 +299,137 @@ def encode(msg: Message) -> bytes:
     return FRAME_HEADER.pack(len(body)) + body
 
 
-def decode(body: bytes | memoryview) -> Message:
+def decode(body: bytes | bytearray | memoryview) -> Message:
     try:
         return _decoder.decode(body)
     except msgspec.DecodeError as e:
         raise ProtocolError(f"undecodable LayerKV message: {e}") from None
+
+
+# ---------------------------------------------------------------- size limits
+#
+# Each limit is the largest encoding an honest peer produces for that message type, summed from
+# what its fields can hold (the allowances below). A receiver reads a frame only when its length
+# header is within the limit of what the connection accepts next (``Accepting``: e.g. only a
+# ``Hello`` before the first ``Hello``), reads the body as its bytes arrive, and checks the
+# decoded message against its own type's limit (``framing.recv_message``). So a peer can make a
+# receiver hold no more than the bytes it has actually sent, and never more than one honest
+# message of a type it may send at that point.
+
+KIB, MIB = 1 << 10, 1 << 20
+FIELDS_BYTES = 1 * KIB
+"""Field names (a struct is encoded as a map), the tag, the scalar fields and the short lists
+(``Hello.direct``, a registration's per-group list headers) of any one message."""
+ID_BYTES = 1 * KIB
+"""One identifier as UTF-8: a transfer id has at most 256 characters (``request_params``), an
+engine or host id fewer."""
+REASON_BYTES = 4 * REASON_CHARS
+"""A reason cut to ``REASON_CHARS`` characters, at up to 4 UTF-8 bytes each."""
+COMPAT_BYTES = 16 * KIB
+"""``CompatInfo``: the model's name or path (up to 4 KiB, Linux's PATH_MAX), the signatures of
+a few dozen KV cache groups at most, versions and sizes."""
+ENDPOINTS_BYTES = 64 * KIB
+"""A registration's data endpoints, one ``host:port`` per decode TP rank (a host name has at
+most 253 bytes): up to 128 ranks, with room to spare."""
+LAYERS_BYTES = 12 * KIB
+"""A frame's layer indices: up to 4,096 layers at 3 bytes each (msgpack uint16)."""
+BLOCK_ID_BYTES = 5
+"""One block id: a msgpack uint32 (vLLM's block ids stay below 2**32)."""
+PLANE_EXPORTS_BYTES = 1 * MIB
+"""``HelloAck.exports``: about 1 KiB per layer at most for any plane (a layer's CUDA IPC
+handles take about 250 B; NIXL agent metadata about 50 B per registered region over TCP, a few
+hundred with RDMA keys; Mooncake 9 B per layer address), for up to 512 layers, doubled."""
+DEFAULT_MAX_TRANSFER_BLOCKS = 1 << 18
+"""Default of the ``max_transfer_blocks`` setting: 262,144 block ids, e.g. a 4M-token prompt
+in one KV cache group of 16-token blocks, or 1M tokens in four groups (a ``Register`` of about
+1.4 MiB)."""
+
+MESSAGE_BYTES: dict[type, int] = {
+    Register: FIELDS_BYTES + 2 * ID_BYTES + COMPAT_BYTES + ENDPOINTS_BYTES,
+    Cancel: FIELDS_BYTES + ID_BYTES + REASON_BYTES,
+    RegisterAck: FIELDS_BYTES + ID_BYTES,
+    Refused: FIELDS_BYTES + ID_BYTES + REASON_BYTES,
+    FirstToken: FIELDS_BYTES + ID_BYTES,
+    Hello: FIELDS_BYTES + 2 * ID_BYTES + COMPAT_BYTES,
+    HelloAck: FIELDS_BYTES + PLANE_EXPORTS_BYTES,
+    BlockData: FIELDS_BYTES + ID_BYTES + LAYERS_BYTES,
+    DirectWrite: FIELDS_BYTES + ID_BYTES + LAYERS_BYTES,
+    WriteGrant: FIELDS_BYTES,
+    DirectWritten: FIELDS_BYTES + ID_BYTES,
+    TransferNearlyDone: FIELDS_BYTES + ID_BYTES,
+    TransferDone: FIELDS_BYTES + ID_BYTES,
+    TransferAbort: FIELDS_BYTES + ID_BYTES + REASON_BYTES,
+    TransferAck: FIELDS_BYTES + ID_BYTES + REASON_BYTES,
+}
+"""Each message type's largest encoding, without the block ids of ``CARRIES_BLOCKS``."""
+CARRIES_BLOCKS = (Register, BlockData, DirectWrite)
+"""Types that also carry up to ``max_transfer_blocks`` block ids: a registration lists, per KV
+cache group, one id per block of the prompt (``cdiv(prompt_tokens, block_size)``); a frame
+lists some of one registration's."""
+if set(MESSAGE_BYTES) != set(Message.__args__):  # type: ignore[attr-defined]
+    raise TypeError("every message type needs its size limit in MESSAGE_BYTES")
+
+
+@dataclass(frozen=True)
+class MessageLimits:
+    """The largest encoded size of every message type, for ``max_transfer_blocks`` block ids
+    per registration or frame (the setting of that name)."""
+
+    max_transfer_blocks: int = DEFAULT_MAX_TRANSFER_BLOCKS
+    _accepting: dict[tuple[type, ...], Accepting] = field(
+        default_factory=dict, init=False, repr=False, compare=False, hash=False)
+    """``accepting``'s answers by kinds (each connection asks for the same few, per frame)."""
+
+    def of(self, kind: type) -> int:
+        base = MESSAGE_BYTES[kind]
+        if kind in CARRIES_BLOCKS:
+            return base + BLOCK_ID_BYTES * self.max_transfer_blocks
+        return base
+
+    def accepting(self, *kinds: type) -> Accepting:
+        """What a connection that may receive only ``kinds`` next reads (none: any type)."""
+        accepting = self._accepting.get(kinds)
+        if accepting is None:
+            some = kinds or tuple(MESSAGE_BYTES)
+            accepting = Accepting(some, self, max(self.of(k) for k in some))
+            self._accepting[kinds] = accepting
+        return accepting
+
+    def check(self, msg: Message, nbytes: int) -> None:
+        """Raise ProtocolError when ``msg``, ``nbytes`` long encoded, exceeds its type's
+        limit."""
+        kind = type(msg)
+        limit = self.of(kind)
+        if nbytes > limit:
+            raise ProtocolError(f"{kind.__name__} of {nbytes} B exceeds its limit of {limit} B"
+                                f"{self.hint((kind,))}")
+
+    def hint(self, kinds: tuple[type, ...]) -> str:
+        """What to change when a frame of ``kinds`` is too long, for those carrying block
+        ids (an honest peer's transfer may be longer than this instance was set up for)."""
+        carrying = [k.__name__ for k in kinds if k in CARRIES_BLOCKS]
+        if not carrying:
+            return ""
+        return (f" ({' / '.join(carrying)} with at most max_transfer_blocks="
+                f"{self.max_transfer_blocks} block ids; if real transfers carry more, raise "
+                "max_transfer_blocks on this instance)")
+
+
+@dataclass(frozen=True)
+class Accepting:
+    """The message types a connection may receive next, and the longest frame it reads for
+    them (the largest of their limits)."""
+
+    kinds: tuple[type, ...]
+    limits: MessageLimits
+    max_bytes: int
+
+    def frame_refusal(self, nbytes: int) -> str:
+        """Why a frame of ``nbytes`` is not read."""
+        names = " / ".join(k.__name__ for k in self.kinds) if len(self.kinds) < 8 else "message"
+        return (f"frame of {nbytes} B exceeds {self.max_bytes} B, the largest {names} this "
+                f"connection accepts now{self.limits.hint(self.kinds)}")
+
+
+LIMITS = MessageLimits()
+"""The limits with every setting at its default."""

@@ -47,7 +47,9 @@ class DecodeWorker:
         self._tracer = tracer
         self._table = RecvTable(compat, tp_rank, tp_size,
                                 unknown_wait_s=config.connect_timeout_s, stats=stats,
-                                tracer=tracer, early_lead_s=config.early_release_lead_ms / 1e3)
+                                tracer=tracer, early_lead_s=config.early_release_lead_ms / 1e3,
+                                max_closed=config.max_closed_transfers,
+                                closed_ttl_s=config.closed_transfer_ttl_s)
         self._early_wait_s = config.io_timeout_s
         port = config.data_port + tp_rank if config.data_port else 0
         self.endpoint = transport.start_receiver(

@@ -17,6 +17,20 @@ reported as load errors in that very step (vLLM then recomputes or fails the req
 A transfer whose request continues from P's first token (``RecvTask.wants_first_token``) is
 never reported early, and is closed only once its KV is all here *and* the scheduler has the
 token (``token_arrived``): vLLM must not schedule the request before the token is appended.
+
+Who may touch a transfer: every write, ``TransferNearlyDone``, ``TransferDone`` and
+``TransferAbort`` names its ``Source`` (P's engine id, TP rank and size from the connection's
+``Hello``, and the connection itself). The first (authenticated) connection that touches a
+transfer for a P rank binds that rank's part of it: the transfer then belongs to that P engine,
+takes that rank's data and completion only from that connection, and refuses every other
+connection (its frames are dropped; it cannot complete, fail or abort the transfer). Losing a
+connection fails only the transfers it was bound to. A ``TransferAbort`` for a transfer this
+worker has not heard of yet waits for it as a frame does (``connect_timeout_s``), then binds it
+like any other touch; nothing is kept to fail a transfer later.
+
+Closed transfer ids are remembered (for ``closed_transfer_ttl_s``, at most
+``max_closed_transfers``) so that late frames for them are dropped at once; a forgotten one is
+treated as unknown, which is as safe: only open transfers are ever written.
 """
 
 from __future__ import annotations
@@ -26,15 +40,18 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from vllm_layerkv.common.log import init_logger
+from vllm_layerkv.common.log import RateLimitedWarning, init_logger
 from vllm_layerkv.common.trace import Tracer
 from vllm_layerkv.kv import tp
 from vllm_layerkv.metadata import RecvTask
 from vllm_layerkv.stats import WorkerStats
+from vllm_layerkv.transport.base import Source
 from vllm_layerkv.wire.protocol import CompatInfo, Hello, TransferAck
+from vllm_layerkv.wire.refusals import mismatch_refusal
 
 logger = init_logger(__name__)
-TOMBSTONE_S = 600.0
+CLOSED_TTL_S = 600.0
+MAX_CLOSED = 65536
 
 
 @dataclass
@@ -43,7 +60,11 @@ class _Incoming:
     transfer_id: str
     allowed_blocks: frozenset[int]
     t_expected: float
-    sources: set[tuple[str, int]] = field(default_factory=set)
+    engine_id: str | None = None
+    """The P engine the transfer is bound to (by the first source that touched it)."""
+    src_tp: int = 0
+    bound: dict[int, int] = field(default_factory=dict)
+    """P rank -> the link (connection) bound to carry that rank's part."""
     done_ranks: set[int] = field(default_factory=set)
     expected_ranks: set[int] | None = None
     writers: int = 0
@@ -60,9 +81,11 @@ class _Incoming:
 
 class RecvTable:
     def __init__(self, compat: CompatInfo, tp_rank: int, tp_size: int, unknown_wait_s: float,
-                 stats: WorkerStats, tracer: Tracer | None = None, early_lead_s: float = 0.0):
+                 stats: WorkerStats, tracer: Tracer | None = None, early_lead_s: float = 0.0,
+                 max_closed: int = MAX_CLOSED, closed_ttl_s: float = CLOSED_TTL_S):
         """``early_lead_s``: report a nearly done transfer this long before P expects to finish
-        (``take_early``)."""
+        (``take_early``). ``max_closed`` / ``closed_ttl_s``: how many closed transfer ids are
+        remembered, and how long (``max_closed_transfers`` / ``closed_transfer_ttl_s``)."""
         self.tp_rank = tp_rank
         self._early_lead_s = early_lead_s
         self._tracer = tracer or Tracer("", "d", tp_rank)
@@ -72,9 +95,11 @@ class RecvTable:
         self._stats = stats
         self._cond = threading.Condition()
         self._open: dict[str, _Incoming] = {}
-        self._closed: dict[str, float] = {}  # transfer_id -> when (tombstones)
-        self._aborted_early: dict[str, tuple[str, float]] = {}
-        """transfer_id -> (reason, when): P aborted it before this worker learned about it."""
+        self._closed: dict[str, float] = {}
+        """transfer_id -> when it closed (or was given up as unknown), oldest first."""
+        self._max_closed = max_closed
+        self._closed_ttl_s = closed_ttl_s
+        self._refusals = RateLimitedWarning(logger)
         self._finished: set[str] = set()
         self._failed: set[str] = set()
         self._failed_blocks: set[int] = set()
@@ -92,9 +117,6 @@ class RecvTable:
                             t_expected=time.monotonic(), wants_token=task.wants_first_token)
             self._open[task.transfer_id] = inc
             self._tracer.event("recv_expected", transfer_id=task.transfer_id)
-            early = self._aborted_early.pop(task.transfer_id, None)
-            if early is not None:
-                self._finish_locked(inc, "failed", f"prefill aborted the transfer: {early[0]}")
             self._cond.notify_all()
 
     def close(self, transfer_id: str, failed: bool, reason: str) -> None:
@@ -124,13 +146,13 @@ class RecvTable:
             failed, self._failed = self._failed, set()
             self.results_ready.clear()
             now = time.monotonic()
-            for tid in [t for t, at in self._closed.items() if now - at > TOMBSTONE_S]:
+            while self._closed:
+                tid, at = next(iter(self._closed.items()))
+                if now - at <= self._closed_ttl_s:
+                    break
                 del self._closed[tid]
-            for tid in [t for t, (_, at) in self._aborted_early.items()
-                        if now - at > TOMBSTONE_S]:
-                del self._aborted_early[tid]
             for req_id in [r for r, (_, at) in self._early_failed.items()
-                           if now - at > TOMBSTONE_S]:
+                           if now - at > self._closed_ttl_s]:
                 del self._early_failed[req_id]  # the request ended before it ran
         return finished, failed
 
@@ -202,7 +224,7 @@ class RecvTable:
     def _finish_locked(self, inc: _Incoming, outcome: str, reason: str) -> None:
         """outcome: "ok" (all KV arrived), "failed", or "cancelled" (the request ended)."""
         del self._open[inc.transfer_id]
-        self._closed[inc.transfer_id] = time.monotonic()
+        self._remember_closed_locked(inc.transfer_id)
         if inc.early:  # vLLM has it already: only a failure has more to say (wait_early)
             if outcome == "failed":
                 logger.error("LayerKV transfer %s (request %s, released early) failed: %s",
@@ -233,21 +255,27 @@ class RecvTable:
         return self._tp_size
 
     def check_hello(self, hello: Hello) -> str | None:
-        return tp.peer_error(self._compat, self._tp_size, hello.compat, hello.tp_size,
-                             f"prefill {hello.engine_id}")
+        """None to accept the sender; else the refusal it is sent, which names the fields that
+        differ (the values go to this worker's log only)."""
+        detail = tp.peer_error(self._compat, self._tp_size, hello.compat, hello.tp_size,
+                               f"prefill {hello.engine_id}")
+        if detail is None:
+            return None
+        logger.error("refusing LayerKV sender (prefill %s rank %d): %s", hello.engine_id,
+                     hello.tp_rank, detail)
+        return mismatch_refusal(self._compat, self._tp_size, hello.compat, hello.tp_size,
+                                "decode")
 
-    def begin_write(self, transfer_id: str, dst_blocks: Sequence[int],
-                    source: tuple[str, int]) -> bool:
+    def begin_write(self, transfer_id: str, dst_blocks: Sequence[int], source: Source) -> bool:
         with self._cond:
             inc = self._wait_known_locked(transfer_id)
-            if inc is None:
+            if inc is None or not self._admit_locked(inc, source, "a write"):
                 return False
             bad = [b for b in dst_blocks if b not in inc.allowed_blocks]
             if bad:
                 self._close_locked(inc, "failed", f"prefill wrote to blocks {bad[:8]} that are "
                                                   "not allocated to this transfer")
                 return False
-            inc.sources.add(source)
             inc.writers += 1
             return True
 
@@ -260,16 +288,21 @@ class RecvTable:
             self._cond.notify_all()
 
     def on_done(self, transfer_id: str, src_rank: int, src_tp: int, frames: int,
-                nbytes: int) -> TransferAck | None:
+                nbytes: int, source: Source | None = None) -> TransferAck | None:
+        """``source``: the connection it came from (the transport always names it; None: this
+        process itself, for P rank ``src_rank`` of ``src_tp``)."""
         with self._cond:
             inc = self._wait_known_locked(transfer_id)
             if inc is None:
                 return TransferAck(transfer_id=transfer_id, ok=False,
                                    reason="decode no longer waits for this transfer")
+            if source is not None and not self._admit_locked(inc, source, "TransferDone"):
+                return TransferAck(transfer_id=transfer_id, ok=False,
+                                   reason="this connection does not carry this transfer")
             if inc.expected_ranks is None:
                 inc.expected_ranks = set(tp.source_ranks(self.tp_rank, self._tp_size, src_tp,
                                                          self._compat.total_kv_heads))
-            inc.done_ranks.add(src_rank)
+            inc.done_ranks.add(src_rank if source is None else source.tp_rank)
             if inc.done_ranks >= inc.expected_ranks and inc.wants_token and not inc.has_token:
                 inc.complete = True  # closed by token_arrived
             elif inc.done_ranks >= inc.expected_ranks:
@@ -281,31 +314,79 @@ class RecvTable:
             # connection): it may free its blocks, whether or not other ranks are done
             return TransferAck(transfer_id=transfer_id, ok=True)
 
-    def on_nearly_done(self, transfer_id: str, src_rank: int, eta_s: float) -> None:
+    def on_nearly_done(self, transfer_id: str, src_rank: int, eta_s: float,
+                       source: Source | None = None) -> None:
+        """``source``: as for ``on_done`` (None: this process itself)."""
         with self._cond:
             inc = self._open.get(transfer_id)
             if inc is None or inc.early or inc.wants_token:
+                return
+            if source is not None and not self._admit_locked(inc, source,
+                                                             "TransferNearlyDone"):
                 return
             ready_at = time.monotonic() + eta_s - self._early_lead_s
             inc.ready_at = ready_at if inc.ready_at is None else min(inc.ready_at, ready_at)
         self.results_ready.set()  # a worker waiting on an idle step recomputes its wait
 
-    def on_abort(self, transfer_id: str, reason: str) -> None:
+    def on_abort(self, transfer_id: str, reason: str, source: Source | None = None) -> None:
+        """P gives up on the transfer; an abort that overtook the worker's ``RecvTask`` waits
+        for it like a frame (``source`` None: this process's own decision)."""
         with self._cond:
-            inc = self._open.get(transfer_id)
-            if inc is not None:
-                self._close_locked(inc, "failed", f"prefill aborted the transfer: {reason}")
-            elif transfer_id not in self._closed:
-                # the abort overtook the worker's RecvTask: fail the transfer when it shows up
-                self._aborted_early[transfer_id] = (reason, time.monotonic())
+            inc = self._wait_known_locked(transfer_id, "an abort")
+            if inc is None:
+                return
+            if source is not None and not self._admit_locked(inc, source, "TransferAbort"):
+                return
+            self._close_locked(inc, "failed", f"prefill aborted the transfer: {reason}")
 
-    def on_source_lost(self, engine_id: str, src_rank: int, reason: str) -> None:
+    def on_source_lost(self, source: Source, reason: str) -> None:
+        """``source``'s connection ended: fail the transfers it was bound to and had not
+        finished."""
         with self._cond:
             for inc in list(self._open.values()):
-                if (engine_id, src_rank) in inc.sources and src_rank not in inc.done_ranks:
-                    self._close_locked(inc, "failed", f"prefill rank {src_rank}: {reason}")
+                if (inc.engine_id == source.engine_id
+                        and inc.bound.get(source.tp_rank) == source.link
+                        and source.tp_rank not in inc.done_ranks):
+                    self._close_locked(inc, "failed", f"prefill rank {source.tp_rank}: {reason}")
 
-    def _wait_known_locked(self, transfer_id: str) -> _Incoming | None:
+    def _admit_locked(self, inc: _Incoming, source: Source, what: str) -> bool:
+        """Whether ``source`` may touch ``inc``; the first source of each P rank binds it
+        (``bound``), and the first of all binds the P engine and its TP size."""
+        if inc.engine_id is None:
+            try:
+                ranks = tp.source_ranks(self.tp_rank, self._tp_size, source.tp_size,
+                                        self._compat.total_kv_heads)
+            except ValueError:
+                ranks = []
+            if source.tp_rank not in ranks:
+                return self._refuse_locked(inc, source, what, "that prefill rank does not feed "
+                                                              "this decode rank")
+            inc.engine_id, inc.src_tp, inc.expected_ranks = (source.engine_id, source.tp_size,
+                                                             set(ranks))
+        elif source.engine_id != inc.engine_id or source.tp_size != inc.src_tp:
+            return self._refuse_locked(inc, source, what, "another prefill engine carries it")
+        elif source.tp_rank not in (inc.expected_ranks or ()):
+            return self._refuse_locked(inc, source, what, "that prefill rank does not feed "
+                                                          "this decode rank")
+        link = inc.bound.setdefault(source.tp_rank, source.link)
+        if link != source.link:
+            return self._refuse_locked(inc, source, what, "another connection carries that "
+                                                          "prefill rank's part of it")
+        return True
+
+    def _refuse_locked(self, inc: _Incoming, source: Source, what: str, why: str) -> bool:
+        self._refusals.warning("LayerKV: refused %s for transfer %s from prefill %s rank %d: "
+                               "%s", what, inc.transfer_id, source.engine_id, source.tp_rank,
+                               why)
+        return False
+
+    def _remember_closed_locked(self, transfer_id: str) -> None:
+        self._closed.pop(transfer_id, None)
+        self._closed[transfer_id] = time.monotonic()
+        while len(self._closed) > self._max_closed:
+            del self._closed[next(iter(self._closed))]
+
+    def _wait_known_locked(self, transfer_id: str, what: str = "KV") -> _Incoming | None:
         """The open transfer, waiting briefly if P is faster than this worker learning about
         it from its scheduler (the registration goes to P before the worker's next step)."""
         deadline = time.monotonic() + self._unknown_wait_s
@@ -315,7 +396,8 @@ class RecvTable:
                 return inc
             left = deadline - time.monotonic()
             if left <= 0:
-                logger.warning("dropping KV for unknown transfer %s", transfer_id)
-                self._closed[transfer_id] = time.monotonic()
+                self._refusals.warning("dropping %s for unknown transfer %s", what,
+                                       transfer_id)
+                self._remember_closed_locked(transfer_id)
                 return None
             self._cond.wait(left)
