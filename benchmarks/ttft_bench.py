@@ -606,6 +606,17 @@ def layerkv_transport_used(log_path: Path) -> str:
     return transports_used(text)
 
 
+def channels_authenticated(run_dir: Path) -> bool | None:
+    """Whether every LayerKV worker of the run said its channels were authenticated (its
+    ready line); None if no worker said either."""
+    said = [line for log_path in sorted(run_dir.glob("*.log"))
+            for line in log_path.read_text(errors="replace").splitlines()
+            if "LayerKV worker rank" in line and " ready: " in line]
+    if not said:
+        return None
+    return all("channels authenticated" in line for line in said)
+
+
 class MetricsOf:
     """Several servers' ``/metrics`` read as one text: a metric's samples then add up over
     them (``metric`` sums every sample of a name), e.g. both prefill instances' counters."""
@@ -943,7 +954,9 @@ def run_config(config: Config, args: argparse.Namespace, runner: BenchServe,
         stop_all(deployment.servers)
     if config.family in LAYERKV_CONFIGS:
         res["transport_used"] = layerkv_transport_used(args.out / name / "prefill.log")
-        log(f"{name}: P used {res['transport_used']}")
+        res["channels_authenticated"] = channels_authenticated(args.out / name)
+        log(f"{name}: P used {res['transport_used']}; channels authenticated: "
+            f"{res['channels_authenticated']}")
         if args.trace:
             rows = profile_trace.request_breakdowns(args.out / name)
             if rows:

@@ -186,6 +186,11 @@ class Transport(ABC):
         """Listen for senders; returns the endpoint (host:port) to publish."""
 
     @property
+    def authenticated(self) -> bool:
+        """Every connection proves the shared secret (``wire/auth.py``) before any message."""
+        return False
+
+    @property
     def host_bounce(self) -> bool:
         """Every send may go through staging buffers and D's ring in host memory (a plane
         with ``host_bounce``): the sender makes its staging buffers at start-up and hands

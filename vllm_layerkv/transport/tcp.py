@@ -151,6 +151,10 @@ class TcpTransport(Transport):
         self._lock = threading.Lock()
 
     @property
+    def authenticated(self) -> bool:
+        return self._auth.requires_secret
+
+    @property
     def host_bounce(self) -> bool:
         return any(p.host_bounce for p in self._planes)
 

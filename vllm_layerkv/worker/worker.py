@@ -104,9 +104,10 @@ class LayerKVWorker:
             self._decode = DecodeWorker(self._config, blocks, self._transport, self._compat,
                                         self._tp_rank, self._tp_size, self._stats, self._tracer)
         logger.info(
-            "LayerKV worker rank %d/%d ready: %d layers, %d blocks x %d B, transport %s%s",
-            self._tp_rank, self._tp_size, layout.num_layers, layout.num_blocks,
-            layout.block_bytes, self._transport.name,
+            "LayerKV worker rank %d/%d ready: %d layers, %d blocks x %d B, transport %s, "
+            "channels %s%s", self._tp_rank, self._tp_size, layout.num_layers,
+            layout.num_blocks, layout.block_bytes, self._transport.name,
+            "authenticated" if self._transport.authenticated else "unauthenticated",
             f", data endpoint {self._decode.endpoint}" if self._decode else "")
 
     def get_handshake_metadata(self) -> LayerKVHandshake:
