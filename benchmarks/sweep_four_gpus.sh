@@ -11,9 +11,10 @@
 #      P/D), then 2P1D and 1P1D behind vllm-router (--kv-connector mooncake);
 #   3. the tables and plots (plot_results.py) under $OUT/plots.
 # TP > 1 instances get TP_VLLM_ARGS (default --disable-custom-all-reduce; every instance runs
-# eager unless CUDA_GRAPHS=1: with CUDA graphs a TP2 instance of vLLM 0.26 on a 4 x H200 host
-# failed in cublasCreate during its memory profiling, with or without that flag, and started
-# with --enforce-eager --disable-custom-all-reduce). bench.log names each server's flags.
+# eager unless CUDA_GRAPHS=1: on a host with NVLink multicast off, vLLM 0.26's compiled
+# all-reduce + RMSNorm fusion picks FlashInfer's mnnvl backend, which needs multicast, and a TP2
+# instance with CUDA graphs fails in its memory profiling; docs/benchmarks.md, "Four GPUs").
+# bench.log names each server's flags.
 set -uo pipefail
 source "$(dirname "$0")/sweep_common.sh"
 RATES=${RATES:-0.5x,0.9x,1.3x,1.7x}
