@@ -10,6 +10,7 @@ capped, and silent connections time out."""
 
 from __future__ import annotations
 
+import logging
 import queue
 import socket
 import threading
@@ -17,6 +18,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 from kv_sides import (
     BLOCK_BYTES,
@@ -45,6 +47,7 @@ from vllm_layerkv.wire.auth import (
     connect_handshake,
 )
 from vllm_layerkv.wire.protocol import (
+    LIMITS,
     BlockData,
     Cancel,
     FirstToken,
@@ -466,6 +469,51 @@ def test_a_half_sent_registration_is_dropped_after_message_timeout_s(tmp_path, p
     assert closed_by_peer(sock) and time.monotonic() - t < 3
     sock.close()
     honest_registration(decode_client(config), pre, "t-registered")
+
+
+def test_max_transfer_blocks_bounds_what_both_listeners_read(
+        tmp_path, d_side, p_side, prefill, decode_client, caplog) -> None:
+    """Listeners at max_transfer_blocks=64 drop a connection whose Register (P's registration
+    server) or BlockData header (D's data listener) is longer than that allows, before
+    reading it, and log which setting to raise; honest registrations and transfers beside
+    them are served. At the default, a 16K-token prompt's registration (16-token blocks,
+    four KV cache groups) and the Register refused above are both taken."""
+    caplog.set_level(logging.ERROR, logger="vllm.layerkv")
+    small = make_config(tmp_path, max_transfer_blocks=64)
+    assert ListenerLimits.from_config(small).messages.max_transfer_blocks == 64
+    assert ListenerLimits.from_config(make_config(tmp_path)).messages == LIMITS
+    d, p, pre = d_side(config=small), p_side(config=small), prefill(small)
+    ids = [2**31 + i for i in range(20_000)]  # 5 B each: longer than 64 ids' allowance
+    too_long = msgspec.structs.replace(register("t-long"), block_ids=[ids])
+
+    sock = authenticated(pre.endpoint)
+    framing.send_message(sock, too_long)
+    assert closed_by_peer(sock)
+    sock.close()
+    framing.send_message(sock := data_peer(d), BlockData(
+        transfer_id="t-long", layers=[0], dst_blocks=ids[:3000], block_bytes=BLOCK_BYTES,
+        nbytes=3000 * BLOCK_BYTES))
+    assert closed_by_peer(sock)
+    sock.close()
+    assert "registration connection from 127.0.0.1 failed" in caplog.text
+    assert "data listener dropped the connection from 127.0.0.1" in caplog.text
+    for names in ("Register / Cancel this", "BlockData / DirectWrite / DirectWritten / "):
+        assert f"B, the largest {names}" in caplog.text
+    assert caplog.text.count("with at most max_transfer_blocks=64 block ids; if real "
+                             "transfers carry more, raise max_transfer_blocks on this "
+                             "instance") == 2
+    honest_registration(decode_client(small), pre, "t-registered")
+    honest_transfer(p, d, "t-honest")
+
+    default = make_config(tmp_path)
+    pre_default, client = prefill(default), decode_client(default)
+    prompt = msgspec.structs.replace(register("t-16k"), num_tokens=16_384,
+                                     block_ids=[ids[:16_384 // 16]] * 4)
+    for reg in (prompt, too_long):
+        client.send(pre_default.endpoint, reg)
+        assert client.replies.get(timeout=10) == RegisterAck(transfer_id=reg.transfer_id,
+                                                             tp_size=1)
+        assert pre_default.registered.get(timeout=1) == reg
 
 
 def test_closed_transfer_records_are_capped_and_expire(tmp_path, d_side, p_side) -> None:

@@ -136,10 +136,6 @@ RING_ATTACKS = {
     "negative-size": (dict(first_head=0, num_heads=-1, nbytes=-2 * BLOCK_BYTES),
                       f"a write of {-2 * BLOCK_BYTES} B into the receive ring"),
 }
-REFUSED_AT_SCATTER = pytest.mark.xfail(
-    strict=True, reason="transport/tcp.py ends a ring write (end_write) only after its scatter "
-    "returns: a scatter refused by the bounds check leaves the write open, so failing the "
-    "transfer waits for it for ever")
 
 
 def ring_attack(d: DSide, raw: OutsideSender, plane: str, fields: dict) -> None:
@@ -179,19 +175,25 @@ def test_ring_write_outside_its_blocks_writes_nothing(d_side, p_side, outsiders,
 
 
 @pytest.mark.parametrize("transport", ["nixl+bounce"])
-@pytest.mark.parametrize("attack", [
-    pytest.param(a, marks=[] if a == "negative-size" else [REFUSED_AT_SCATTER])
-    for a in RING_ATTACKS])
-def test_ring_write_outside_its_blocks_fails_its_transfer(d_side, outsiders, caplog,
+@pytest.mark.parametrize("attack", list(RING_ATTACKS))
+def test_ring_write_outside_its_blocks_fails_its_transfer(d_side, p_side, outsiders, caplog,
                                                           transport: str, attack: str) -> None:
+    """The refused write is ended (nothing written) before its transfer is failed: the
+    transfer fails within 2 s with the reason, no byte of the slot reaches D's KV (the slot is
+    freed), and an honest transfer from another sender lands."""
     caplog.set_level(logging.ERROR, logger="vllm.layerkv")
     fields, reason = RING_ATTACKS[attack]
-    d = d_side()
+    d, p = d_side(), p_side()
     expect_both(d)
     raw = OutsideSender(d, direct=("nixl",))
     outsiders.append(raw)
+    t0 = time.monotonic()
     ring_attack(d, raw, "nixl", fields)
     attacked_transfer_fails(d, caplog, reason, timeout=2.0)
+    assert time.monotonic() - t0 < 2.0
+    assert f"transfer {BAD[1]} (request {BAD[0]}) failed: " in caplog.text
+    assert d.table.pending() == 1  # the honest transfer, still open beside it
+    honest_transfer_lands(d, p)
 
 
 # ------------------------------------------------------------------------ D: grants, frames

@@ -159,7 +159,8 @@ class RegistrationServer:
             while not self._stop.is_set():
                 if not framing.wait_readable(conn, 1.0):
                     continue
-                msg = framing.recv_message(conn, Register, Cancel)
+                msg = framing.recv_message(conn, Register, Cancel,
+                                           limits=self._gate.limits.messages)
                 if isinstance(msg, Register):
                     link.send(self._register(msg, link))
                 elif isinstance(msg, Cancel):

@@ -22,10 +22,12 @@ Every connection starts with the authentication handshake (``wire/auth.py``) bef
 ``Hello``: D's listener admits a connection through a ``Gate`` (allowlist, ``max_connections``,
 ``handshake_timeout_s``; ``wire/admission.py``) and reads nothing from a peer that has not
 proved the shared secret, so its exports (IPC handles, NIXL metadata, Mooncake addresses) reach
-authenticated peers only. Each message D reads names its ``Source`` (the connection's ``Hello``
-and the connection itself): the receive table lets a transfer be written, completed or aborted
-only by the connection it is bound to. A ``TransferDone`` or ``TransferNearlyDone`` naming a
-rank other than its connection's is a protocol error.
+authenticated peers only; after that, it reads no message longer than its type allows (the
+listener's message limits: ``max_transfer_blocks`` sizes a ``BlockData`` / ``DirectWrite``).
+Each message D reads names its ``Source`` (the connection's ``Hello`` and the connection
+itself): the receive table lets a transfer be written, completed or aborted only by the
+connection it is bound to. A ``TransferDone`` or ``TransferNearlyDone`` naming a rank other
+than its connection's is a protocol error.
 
 Threads: D runs one accept thread and one reader thread per connection; P runs one ack-reader
 thread per connection (the sender thread writes). P's end of a connection is
@@ -51,6 +53,7 @@ from vllm_layerkv.common.log import init_logger
 from vllm_layerkv.common.threads import start_thread
 from vllm_layerkv.kv import fused_copy
 from vllm_layerkv.kv.blockio import BlockIO
+from vllm_layerkv.kv.bounds import BoundsError
 from vllm_layerkv.kv.staging import RecvRing, StagingError, scatter
 from vllm_layerkv.transport.base import (
     ReceiveSink,
@@ -77,6 +80,7 @@ from vllm_layerkv.wire.protocol import (
     DirectWritten,
     Hello,
     HelloAck,
+    ProtocolError,
     Refused,
     TransferAbort,
     TransferAck,
@@ -301,7 +305,7 @@ class TcpTransport(Transport):
                 return
             keepalive(conn)
             conn.settimeout(io_timeout)
-            first = framing.recv_message(conn, Hello)
+            first = framing.recv_message(conn, Hello, limits=self._limits.messages)
             if not isinstance(first, Hello):
                 raise TransportError(f"expected Hello, got {type(first).__name__}")
             refusal = sink.check_hello(first)
@@ -330,7 +334,8 @@ class TcpTransport(Transport):
                     self._grant_waiting(conn, waiting, granted, sink, source)
                 if not framing.wait_readable(conn, SLOT_POLL_S if waiting else 1.0):
                     continue
-                msg = framing.recv_message(conn, *framing.PREFILL_TO_DECODE)
+                msg = framing.recv_message(conn, *framing.PREFILL_TO_DECODE,
+                                           limits=self._limits.messages)
                 if isinstance(msg, BlockData):
                     self._receive_blocks(conn, msg, sink, blocks, scratch, source)
                 elif isinstance(msg, DirectWrite) and exports:
@@ -351,10 +356,11 @@ class TcpTransport(Transport):
                     framing.send_message(conn, WriteGrant(seq=msg.seq, ok=ok, slot=-1))
                 elif isinstance(msg, DirectWritten) and msg.seq in granted:
                     request, slot, ring = granted.pop(msg.seq)
-                    nbytes = msg.nbytes
                     if slot >= 0:
-                        nbytes = self._scatter_slot(request, slot, nbytes, ring, blocks)
-                    sink.end_write(request.transfer_id, nbytes)
+                        self._end_ring_write(request, slot, msg.nbytes, ring, blocks, sink,
+                                             source)
+                    else:
+                        sink.end_write(request.transfer_id, msg.nbytes)
                 elif isinstance(msg, TransferDone):
                     _check_rank(msg, source)
                     ack = sink.on_done(msg.transfer_id, source.tp_rank, source.tp_size,
@@ -370,6 +376,11 @@ class TcpTransport(Transport):
                     raise TransportError(f"unexpected {type(msg).__name__} on a data connection")
         except (OSError, framing.PeerClosed, TransportError, Exception) as e:  # noqa: BLE001
             self._release_grants(granted, waiting, sink)
+            if not self._stop.is_set() and isinstance(e, (ProtocolError, TransportError)):
+                # said here too: a transfer not yet bound to the connection fails only later,
+                # at kv_wait_timeout_s, without this reason (e.g. raise max_transfer_blocks)
+                logger.error("LayerKV data listener dropped the connection from %s: %s",
+                             addr[0], e)
             if not self._stop.is_set() and source is not None:
                 sink.on_source_lost(source, f"connection lost: {e}")
         finally:
@@ -491,6 +502,24 @@ class TcpTransport(Transport):
                 ok = True
             waiting.popleft()
             framing.send_message(conn, WriteGrant(seq=msg.seq, ok=ok, slot=slot if ok else -1))
+
+    def _end_ring_write(self, request: DirectWrite, slot: int, nbytes: int,
+                        ring: RecvRing | None, blocks: BlockIO, sink: ReceiveSink,
+                        source: Source) -> None:
+        """A ring write P reports done: scatter the slot into the blocks, then end the write.
+        The write ends however the scatter does, since failing a transfer (here, or when the
+        connection drops) waits until no write into it is open. A scatter the bounds checks
+        refuse (heads, blocks or size outside D's KV; nothing was written) fails the transfer
+        with the reason."""
+        written, refusal = 0, ""
+        try:
+            written = self._scatter_slot(request, slot, nbytes, ring, blocks)
+        except (BoundsError, StagingError) as e:
+            refusal = f"head-slice write refused: {e}"
+        finally:
+            sink.end_write(request.transfer_id, written)
+        if refusal:
+            sink.on_abort(request.transfer_id, refusal, source)
 
     def _scatter_slot(self, request: DirectWrite, slot: int, nbytes: int,
                       ring: RecvRing | None, blocks: BlockIO) -> int:

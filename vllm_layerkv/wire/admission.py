@@ -26,6 +26,7 @@ from typing import Any
 
 from vllm_layerkv.common.log import RateLimitedWarning, init_logger
 from vllm_layerkv.wire.auth import AuthError, ChannelAuth, accept_handshake, warn_if_open
+from vllm_layerkv.wire.protocol import LIMITS, MessageLimits
 
 logger = init_logger(__name__)
 KEEPALIVE_IDLE_S = 60
@@ -36,7 +37,7 @@ KEEPALIVE_PROBES = 3
 @dataclass(frozen=True)
 class ListenerLimits:
     """The limits of one listener (``max_connections``, ``handshake_timeout_s``,
-    ``message_timeout_s`` in config.py)."""
+    ``message_timeout_s``, ``max_transfer_blocks`` in config.py)."""
 
     max_connections: int = 256
     handshake_timeout_s: float = 5.0
@@ -45,12 +46,16 @@ class ListenerLimits:
     message_timeout_s: float = 10.0
     """Once a control message has started to arrive, each read of the rest must return within
     this (P's registration server; the bootstrap endpoint's requests)."""
+    messages: MessageLimits = LIMITS
+    """The largest message of each type the listener reads (``max_transfer_blocks`` sizes a
+    ``Register``, a ``BlockData`` and a ``DirectWrite``; ``protocol.MessageLimits``)."""
 
     @classmethod
     def from_config(cls, config: Any) -> ListenerLimits:
         return cls(max_connections=config.max_connections,
                    handshake_timeout_s=config.handshake_timeout_s,
-                   message_timeout_s=config.message_timeout_s)
+                   message_timeout_s=config.message_timeout_s,
+                   messages=MessageLimits(config.max_transfer_blocks))
 
 
 class Slot:
