@@ -208,9 +208,11 @@ class LayerKVConfig:
     """P: registrations held for prefill requests P has not received yet (D registers first).
     Beyond this, new ones are refused, saying so, until some are matched, cancelled or
     expire."""
-    early_registration_ttl_s: float = 0.0
+    early_registration_ttl_s: float = 180.0
     """P: how long such a registration waits for its prefill request before it is dropped and
-    D is told. 0 = twice registration_timeout_s."""
+    D is told. Keep it above the decode instances' kv_wait_timeout_s (default 120): a request
+    can wait in P's queue that long under load, and an honest D cancels its own registration
+    when it gives up, so the TTL only bounds registrations whose D went away silently."""
     max_closed_transfers: int = 65536
     """D worker: closed transfer ids remembered, so that late frames for them are dropped at
     once; beyond this the oldest are forgotten (a late frame for one then waits
@@ -307,8 +309,9 @@ class LayerKVConfig:
              f"max_connections={self.max_connections} must be between 1 and 65536")
         for name in ("handshake_timeout_s", "message_timeout_s", "closed_transfer_ttl_s"):
             need(getattr(self, name) > 0, f"{name} must be > 0 seconds")
-        need(self.early_registration_ttl_s >= 0,
-             "early_registration_ttl_s must be >= 0 seconds (0 = 2 x registration_timeout_s)")
+        need(self.early_registration_ttl_s > 0,
+             "early_registration_ttl_s must be > 0 seconds (keep it above the decode "
+             "instances' kv_wait_timeout_s)")
         for name in ("max_early_registrations", "max_closed_transfers"):
             need(getattr(self, name) >= 1, f"{name}={getattr(self, name)} must be >= 1")
         need(1 <= self.max_transfer_blocks <= 1 << 26,

@@ -254,7 +254,7 @@ def test_config_turns_secret_and_allowlist_problems_into_config_errors(
     ({"handshake_timeout_s": 0}, "handshake_timeout_s must be > 0"),
     ({"message_timeout_s": -1}, "message_timeout_s must be > 0"),
     ({"max_early_registrations": 0}, "max_early_registrations=0 must be >= 1"),
-    ({"early_registration_ttl_s": -1}, "early_registration_ttl_s must be >= 0"),
+    ({"early_registration_ttl_s": 0}, "early_registration_ttl_s must be > 0"),
     ({"max_closed_transfers": 0}, "max_closed_transfers=0 must be >= 1"),
     ({"closed_transfer_ttl_s": 0}, "closed_transfer_ttl_s must be > 0"),
 ])

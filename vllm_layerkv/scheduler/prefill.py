@@ -122,8 +122,7 @@ class PrefillScheduler:
         """Registrations that arrived before P saw the request (D is often faster), oldest
         first. Kept until the request comes, D cancels (on its timeout or abort), or
         ``early_registration_ttl_s`` passes."""
-        self._early_ttl_s = (config.early_registration_ttl_s
-                             or 2 * config.registration_timeout_s)
+        self._early_ttl_s = config.early_registration_ttl_s
         self._unmatched = 0
         """Registrations accepted and not yet attached to a request: queued for the scheduler
         thread or held in ``_early_regs``; at most ``max_early_registrations``."""
