@@ -16,6 +16,7 @@ Usage: python benchmarks/plot_link_rates.py RUN_DIR_OR_SUMMARY [...] --out DIR
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import re
 from pathlib import Path
@@ -147,6 +148,9 @@ def main() -> None:
     (args.out / "link_rates.json").write_text(json.dumps(table, indent=1))
     (args.out / "link_rates.md").write_text(markdown(table))
     print(markdown(table))
+    if importlib.util.find_spec("matplotlib") is None:
+        print("matplotlib is not installed: link_rates.png not drawn (pip install matplotlib)")
+        return
     plot(table, args.out)
 
 

@@ -3,6 +3,7 @@ benchmarks/plot_link_rates.py (TTFT against link rate, with the ideal)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -136,6 +137,9 @@ def test_plot_link_rates_writes_its_table_and_plot(tmp_path: Path) -> None:
                         "--out", str(tmp_path / "plots")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert (tmp_path / "plots" / "link_rates.png").stat().st_size > 0
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "plots" / "link_rates.png").stat().st_size > 0
+    else:  # the table is written all the same, and the output says why there is no plot
+        assert "matplotlib is not installed" in r.stdout
     assert json.loads((tmp_path / "plots" / "link_rates.json").read_text()).keys() == {
         "8192", "16000"}
