@@ -39,6 +39,13 @@ d_first is split further (``D_PARTS``; their sum is d_first):
   d_out         -> D's first bytes reach the proxy (sampling, output processing, detokenizing,
                 the HTTP stream)
 
+On GPU, P's trace also says when each group was ready on the device (``group_ready``, a
+timing event recorded when the step was planned), which splits prefill (``GPU_PARTS``):
+
+  p_gpu         P's first step plan -> the last group of the final chunk done on the device
+  send_wait     -> the sender gets to that group (0 when the link kept up; on a slow link, the
+                groups still queued before it)
+
     python benchmarks/profile_trace.py DIR [--json OUT]
 """
 
@@ -57,6 +64,7 @@ D_PARTS = ("d_seen", "d_sched", "d_bind", "d_forward", "d_out")
 D_MARKS = ("recv_seen", "d_scheduled", "d_step_bound", "d_step_launched")
 P_PARTS = ("p_intake", "reg_wait", "p_plan")
 P_MARKS = ("p_seen", "p_admitted")
+GPU_PARTS = ("p_gpu", "send_wait")
 
 
 def read_events(path: Path) -> list[dict[str, Any]]:
@@ -74,6 +82,7 @@ def request_breakdowns(trace_dir: Path) -> list[dict[str, Any]]:
 
     plans: dict[str, list[dict[str, Any]]] = defaultdict(list)
     sends: dict[tuple[int, int], dict[str, float]] = defaultdict(dict)
+    ready_s: dict[tuple[int, int], float] = {}
     done_sent: dict[str, float] = {}
     for e in p_events:
         if e["ev"] == "step_plan":
@@ -81,6 +90,8 @@ def request_breakdowns(trace_dir: Path) -> list[dict[str, Any]]:
                 plans[tid].append(e)
         elif e["ev"] in ("group_send_start", "group_send_end"):
             sends[(e["step"], e["group"])].setdefault(e["ev"], e["t"])
+        elif e["ev"] == "group_ready":
+            ready_s[(e["step"], e["group"])] = e["gpu_s"]
         elif e["ev"] == "transfer_done_sent":
             done_sent[e["transfer_id"]] = e["t"]
 
@@ -138,6 +149,10 @@ def request_breakdowns(trace_dir: Path) -> list[dict[str, Any]]:
         for name, a, b in zip(SEGMENTS, marks, marks[1:]):
             row[name] = round((b - a) * 1000, 2)
         row["total"] = round((marks[-1] - marks[0]) * 1000, 2)
+        gpu_s = ready_s.get((last["step"], last["groups"] - 1))
+        if gpu_s is not None:
+            row["p_gpu"] = round((last["t"] + gpu_s - tid_plans[0]["t"]) * 1000, 2)
+            row["send_wait"] = round(max(0.0, row["prefill"] - row["p_gpu"]), 2)
         pm = p_marks.get(tid, {})
         if all(m in pm for m in P_MARKS):
             p = [pt["proxy_in"], *(pm[m] for m in P_MARKS), tid_plans[0]["t"]]
@@ -162,7 +177,7 @@ def medians_by_length(rows: list[dict[str, Any]]) -> dict[int, dict[str, float]]
     out = {}
     for n, rs in sorted(by_len.items()):
         keys = [*SEGMENTS, "total"]
-        for parts in (P_PARTS, D_PARTS):
+        for parts in (GPU_PARTS, P_PARTS, D_PARTS):
             if all(k in r for r in rs for k in parts):
                 keys += parts
         out[n] = {"requests": len(rs), **{k: round(statistics.median(r[k] for r in rs), 2)
@@ -172,7 +187,7 @@ def medians_by_length(rows: list[dict[str, Any]]) -> dict[int, dict[str, float]]
 
 def format_table(medians: dict[int, dict[str, float]]) -> str:
     cols: tuple[str, ...] = ("requests", *SEGMENTS, "total")
-    for parts in (P_PARTS, D_PARTS):
+    for parts in (GPU_PARTS, P_PARTS, D_PARTS):
         if medians and all(k in m for m in medians.values() for k in parts):
             cols += parts
     lines = ["| prompt tokens (P computed) | " + " | ".join(cols) + " |",

@@ -93,6 +93,10 @@ class LayerKVConfig:
     reach 3 x min_prompt_tokens."""
     group_size: int = 0
     """Fixed number of layers per group; 0 = adaptive (the rule above)."""
+    group_transfer_ms: float = 20.0
+    """Adaptive grouping on a slow link: raise the number of groups until one group's share
+    of the step's KV takes at most this long on the link (its rate as the sender measures
+    it). 0 turns this off. Links that move a step's KV within it (NVLink) are unaffected."""
     piecewise_cudagraph: bool = False
     """GPU prefill instances: set true so vLLM uses PIECEWISE CUDA graphs and the per-layer
     hooks fire during replays (FULL graphs skip them; LayerKV then sends the step's KV at its
@@ -294,6 +298,8 @@ class LayerKVConfig:
              f"max_pipeline_stages={self.max_pipeline_stages} must be >= "
              f"min_pipeline_stages={self.min_pipeline_stages}")
         need(self.group_size >= 0, f"group_size={self.group_size} must be >= 0 (0 = adaptive)")
+        need(self.group_transfer_ms >= 0,
+             f"group_transfer_ms={self.group_transfer_ms} must be >= 0 (0 = off)")
         need(self.registration_wait_s >= 0, "registration_wait_s must be >= 0 seconds")
         need(0 <= self.early_release_lead_ms <= 1000,
              f"early_release_lead_ms={self.early_release_lead_ms} must be between 0 and 1000")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_layerkv.config import LayerKVConfig
+from vllm_layerkv.config import ConfigError, LayerKVConfig
 from vllm_layerkv.worker.grouping import plan_group_size, split_layers
 
 ADAPTIVE = LayerKVConfig(min_prompt_tokens=256, max_pipeline_stages=8, min_pipeline_stages=2)
@@ -69,7 +69,7 @@ def test_layerwise_off_is_one_group_even_with_group_size() -> None:
         for tokens in (1, 500, 10_000):
             size = plan_group_size(30, tokens, cfg)
             assert size == 30
-            assert split_layers(30, size) == [range(0, 30)]
+            assert split_layers(30, size) == [range(30)]
 
 
 def test_plan_rejects_no_layers() -> None:
@@ -89,11 +89,50 @@ def test_split_layers_covers_each_layer_once_in_order(num_layers: int) -> None:
 
 
 def test_split_layers_examples() -> None:
-    assert split_layers(8, 3) == [range(0, 3), range(3, 6), range(6, 8)]
-    assert split_layers(30, 15) == [range(0, 15), range(15, 30)]
+    assert split_layers(8, 3) == [range(3), range(3, 6), range(6, 8)]
+    assert split_layers(30, 15) == [range(15), range(15, 30)]
 
 
 def test_split_layers_rejects_non_positive_size() -> None:
     for bad in (0, -1):
         with pytest.raises(ValueError, match="group_size"):
             split_layers(8, bad)
+
+
+# ---------------------------------------------------------------- the link-rate rule
+# Llama-3.1-8B: 32 layers; an 8K-token step is 1.07 GB of KV.
+
+@pytest.mark.parametrize("transfer_ms,size", [
+    (0.0, 16),      # rate not measured yet: the adaptive rule alone (2 groups)
+    (3.0, 16),      # NVLink: the step's KV moves within group_transfer_ms
+    (20.0, 16),     # exactly one group's worth: still the adaptive rule
+    (60.0, 10),     # ceil(60 / 20) = 3 groups' worth: 32 // 3 = 10 layers
+    (368.0, 1),     # a 2.9 GB/s path: ceil(368 / 20) = 19 -> 32 // 19 = 1 layer
+    (5000.0, 1),    # never fewer than one layer per group
+])
+def test_a_slow_link_raises_the_number_of_groups(transfer_ms: float, size: int) -> None:
+    config = LayerKVConfig(min_prompt_tokens=256, min_pipeline_stages=2)
+    assert plan_group_size(32, 8192, config, transfer_ms / 1e3) == size
+
+
+def test_the_link_rule_never_lowers_the_adaptive_number_of_groups() -> None:
+    config = LayerKVConfig(min_prompt_tokens=256)
+    for tokens in (1, 256, 384, 512, 768, 8192):
+        base = plan_group_size(32, tokens, config)
+        for transfer_ms in (0.5, 5, 50, 500):
+            assert plan_group_size(32, tokens, config, transfer_ms / 1e3) <= base
+
+
+def test_group_transfer_ms_zero_turns_the_link_rule_off() -> None:
+    off = LayerKVConfig(min_prompt_tokens=256, group_transfer_ms=0)
+    assert plan_group_size(32, 8192, off, 0.368) == 16
+
+
+def test_a_fixed_group_size_or_layerwise_off_ignores_the_link() -> None:
+    assert plan_group_size(32, 8192, LayerKVConfig(group_size=8), 0.368) == 8
+    assert plan_group_size(32, 8192, LayerKVConfig(layerwise=False), 0.368) == 32
+
+
+def test_group_transfer_ms_must_not_be_negative() -> None:
+    with pytest.raises(ConfigError, match="group_transfer_ms=-1.0 must be >= 0"):
+        LayerKVConfig(group_transfer_ms=-1.0).validate()

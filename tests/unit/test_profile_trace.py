@@ -104,3 +104,20 @@ def test_early_release_counts_d_parts_from_the_close(tmp_path: Path) -> None:
     assert row["d_first"] == pytest.approx(46.0, abs=0.01)
     parts = sum(row[k] for k in profile_trace.D_PARTS)
     assert parts == pytest.approx(row["d_first"], abs=0.02)
+
+
+def test_device_ready_times_split_prefill_into_compute_and_send_wait(tmp_path: Path) -> None:
+    """On GPU the last group was ready on the device 55 ms after the plan, while the sender got
+    to it 80 ms after (still sending the group before it): p_gpu 55, send_wait 25."""
+    traces(tmp_path, schedulers=False)
+    p = tmp_path / "trace.p.0"
+    events = [json.loads(line) for line in p.read_text().splitlines()]
+    events.insert(1, {"ev": "group_ready", "step": 3, "group": 0, "gpu_s": 0.030, "t": 10.060})
+    events.insert(4, {"ev": "group_ready", "step": 3, "group": 1, "gpu_s": 0.055, "t": 10.100})
+    write(p, events)
+    [row] = profile_trace.request_breakdowns(tmp_path)
+    assert row["prefill"] == pytest.approx(80.0, abs=0.01)
+    assert row["p_gpu"] == pytest.approx(55.0, abs=0.01)
+    assert row["send_wait"] == pytest.approx(25.0, abs=0.01)
+    table = profile_trace.format_table(profile_trace.medians_by_length([row]))
+    assert "p_gpu | send_wait" in table

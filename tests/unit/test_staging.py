@@ -12,7 +12,15 @@ import pytest
 import torch
 
 from vllm_layerkv.kv import tp
-from vllm_layerkv.kv.staging import RecvRing, StagingError, StagingPool, gather, scatter
+from vllm_layerkv.kv.staging import (
+    MAX_COPY_RUNS,
+    RecvRing,
+    StagingError,
+    StagingPool,
+    copy_block_runs,
+    gather,
+    scatter,
+)
 
 LAYERS, BLOCKS, BLOCK_TOKENS, HEAD_DIM, ELEM = 3, 12, 4, 8, 2  # bf16-sized elements
 POISON = 0xEE
@@ -179,3 +187,26 @@ def test_a_full_ring_refuses_the_write_and_fails_the_transfer_on_decode() -> Non
     assert "no larger than decode's" in sink.aborted[-1][1] and sink.ended[-1] == "t3"
     d_end.close()
     p_end.close()
+
+
+@pytest.mark.parametrize("blocks", [
+    list(range(4, 20)),                       # one run
+    [*range(3), *range(9, 14), 30, 31],    # three runs
+    [2 * i for i in range(MAX_COPY_RUNS)],    # as many runs as are copied run by run
+])
+def test_whole_blocks_copied_run_by_run_match_the_gather(blocks: list[int]) -> None:
+    kv = [torch.randint(0, 256, (32, 96), dtype=torch.uint8) for _ in range(4)]
+    layers = [3, 0, 2]
+    want = gather(kv, layers, blocks, 0, 4, 4, torch.empty(len(layers) * len(blocks) * 96,
+                                                            dtype=torch.uint8))
+    out = torch.zeros(len(layers) * len(blocks) * 96 + 7, dtype=torch.uint8)
+    assert copy_block_runs(kv, layers, blocks, out)
+    assert torch.equal(out[:want.numel()], want) and not out[want.numel():].any()
+
+
+def test_blocks_in_too_many_runs_are_left_to_the_gather() -> None:
+    kv = [torch.randint(0, 256, (64, 32), dtype=torch.uint8) for _ in range(2)]
+    blocks = [2 * i for i in range(MAX_COPY_RUNS + 1)]
+    out = torch.zeros(2 * len(blocks) * 32, dtype=torch.uint8)
+    assert not copy_block_runs(kv, [0, 1], blocks, out)
+    assert not out.any()  # nothing copied

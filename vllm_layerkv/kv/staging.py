@@ -24,7 +24,7 @@ sent, and nothing is allocated per request.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -34,6 +34,46 @@ from vllm_layerkv.kv.bounds import BoundsError, KVBounds, check_indices, check_s
 
 class StagingError(RuntimeError):
     """A staging buffer could not be had in time, or a request does not fit one."""
+
+
+MAX_COPY_RUNS = 8
+"""Whole blocks in at most this many runs of adjacent ids are copied run by run (one copy per
+layer and run, on the copy engine); more runs go through a gather kernel."""
+
+
+def block_runs(blocks: Sequence[int]) -> Iterator[tuple[int, int]]:
+    """Maximal runs of consecutive ids as half-open (start, end) pairs, in order."""
+    it = iter(blocks)
+    try:
+        start = prev = next(it)
+    except StopIteration:
+        return
+    for b in it:
+        if b != prev + 1:
+            yield start, prev + 1
+            start = b
+        prev = b
+    yield start, prev + 1
+
+
+def copy_block_runs(tensors: Sequence[torch.Tensor], layers: Sequence[int],
+                    blocks: Sequence[int], out: torch.Tensor) -> bool:
+    """Whole ``blocks`` of every layer in ``layers`` into ``out`` in ``gather``'s order, one
+    copy per (layer, run of adjacent blocks): a device-to-host ``out`` is filled by the copy
+    engine alone, with no kernel competing with the forward pass for the GPU's SMs. False
+    (nothing copied) when the blocks are in more than ``MAX_COPY_RUNS`` runs. The caller has
+    checked the request against the KV's bounds and ``out``'s size."""
+    runs = list(block_runs(blocks))
+    if len(runs) > MAX_COPY_RUNS:
+        return False
+    block_bytes = tensors[0].shape[1]
+    offset = 0
+    for layer in layers:
+        for start, end in runs:
+            n = (end - start) * block_bytes
+            out[offset:offset + n].copy_(tensors[layer][start:end].view(-1), non_blocking=True)
+            offset += n
+    return True
 
 
 def slice_bytes(block_bytes: int, local_heads: int, num_heads: int) -> int:

@@ -53,7 +53,7 @@ import torch
 
 from vllm_layerkv.common.log import init_logger
 from vllm_layerkv.kv.bounds import BoundsError, KVBounds, check_slot
-from vllm_layerkv.kv.staging import RecvRing, StagingError, gather
+from vllm_layerkv.kv.staging import RecvRing, StagingError, copy_block_runs, gather
 from vllm_layerkv.wire.planes import DirectExport
 from vllm_layerkv.wire.protocol import Hello
 
@@ -337,10 +337,15 @@ class AddressedPeer(PeerWriter):
         try:
             if self._stream is not None:
                 with torch.cuda.stream(self._stream):
-                    payload = gather(self.local, layers, src_blocks, src_head, num_heads,
-                                     local_heads, staging)
-                    if source is not staging:  # host_bounce: the engine reads host memory
-                        source[:n].copy_(payload, non_blocking=True)
+                    # host_bounce with whole blocks: straight from the KV into host memory on
+                    # the copy engine (a gather kernel would wait for SMs the prefill holds)
+                    direct = (source is not staging and num_heads == local_heads
+                              and copy_block_runs(self.local, layers, src_blocks, source[:n]))
+                    if not direct:
+                        payload = gather(self.local, layers, src_blocks, src_head, num_heads,
+                                         local_heads, staging)
+                        if source is not staging:  # host_bounce: the engine reads host memory
+                            source[:n].copy_(payload, non_blocking=True)
                 self._stream.synchronize()  # the engine reads the buffer from now on
             else:
                 gather(self.local, layers, src_blocks, src_head, num_heads, local_heads,

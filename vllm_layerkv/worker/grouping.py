@@ -14,15 +14,31 @@ overhead. Short steps have little compute to hide behind, so they get many small
 steps already have long per-group compute, so a few large transfers win. Prompts below
 ``min_prompt_tokens`` are not pipelined at all (the seed measured +18 % TTFT at 256 tokens when
 it did): they go as one group after the step's last layer.
+
+That rule knows the step's size but not the link. On a link slower than the prefill (its
+measured rate: ``link_rate.py``), a step of two large groups starts sending only after half
+the layers are computed and leaves the link idle meanwhile, and when the link is a little
+faster than the prefill, the last group's whole transfer is exposed after the forward. So the
+number of groups is raised until one group's share of the step's transfer takes at most
+``group_transfer_ms`` on the link:
+
+    target_iters = max(target_iters, ceil(transfer_s / group_transfer_ms))
+
+On a link fast enough that the step's whole KV moves within ``group_transfer_ms`` (NVLink)
+the adaptive rule stands unchanged.
 """
 
 from __future__ import annotations
 
+import math
+
 from vllm_layerkv.config import LayerKVConfig
 
 
-def plan_group_size(num_layers: int, step_tokens: int, config: LayerKVConfig) -> int:
-    """Layers per group for a step that streams ``step_tokens`` new tokens on average."""
+def plan_group_size(num_layers: int, step_tokens: int, config: LayerKVConfig,
+                    transfer_s: float = 0.0) -> int:
+    """Layers per group for a step that streams ``step_tokens`` new tokens on average and
+    whose KV takes about ``transfer_s`` on the link (0: not known yet)."""
     if num_layers <= 0:
         raise ValueError(f"num_layers must be positive, got {num_layers}")
     if not config.layerwise:
@@ -38,6 +54,8 @@ def plan_group_size(num_layers: int, step_tokens: int, config: LayerKVConfig) ->
     t = min(max(t, 0.0), 1.0)
     hi_stages, lo_stages = config.max_pipeline_stages, config.min_pipeline_stages
     target_iters = round(hi_stages - t * (hi_stages - lo_stages))
+    if config.group_transfer_ms > 0 and transfer_s > 0:
+        target_iters = max(target_iters, math.ceil(transfer_s * 1e3 / config.group_transfer_ms))
     target_iters = min(max(target_iters, 1), num_layers)
     return max(1, num_layers // target_iters)
 

@@ -39,19 +39,20 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 
-def _new_event(device_type: str) -> torch.cuda.Event | None:
+def _new_event(device_type: str, timing: bool = False) -> torch.cuda.Event | None:
     """A device event for one group (created in bind, recorded by the hook). None on CPU:
     CPU attention runs synchronously, the KV is in memory when the hook runs.
 
     Blocking: the sender thread waits on it for as long as the group computes, tens to
     hundreds of ms. A default event's ``synchronize`` spins a CPU core all that time (CUDA's
     automatic scheduling spins while the host has more cores than active contexts); a
-    blocking one sleeps until the device signals it, which costs microseconds on wake-up."""
+    blocking one sleeps until the device signals it, which costs microseconds on wake-up.
+    ``timing`` (tracing only): the trace says when the group was ready on the device."""
     if device_type != "cuda":
         return None
     import torch
 
-    return torch.cuda.Event(blocking=True)
+    return torch.cuda.Event(blocking=True, enable_timing=timing)
 
 
 def _record(event: torch.cuda.Event | None) -> None:
@@ -105,23 +106,35 @@ class PrefillWorker:
             return
         num_layers = self._layout.num_layers
         avg_tokens = sum(t.new_tokens for t in streamed) // len(streamed)
-        groups = split_layers(num_layers, plan_group_size(num_layers, avg_tokens, self._config))
+        transfer_s = self._sender.link_rate.seconds_for(self._step_bytes(streamed))
+        groups = split_layers(num_layers, plan_group_size(num_layers, avg_tokens, self._config,
+                                                          transfer_s))
         # the penultimate group of a step that ends a transfer announces the end to D
         ends_transfer = any(t.final for t in streamed)
+        timing = self._tracer.enabled
+        step_start = _new_event(self._device_type, timing=True) if timing else None
+        _record(step_start)
         t_planned = time.monotonic()
         self._group_items = [GroupSend(self._step, i, list(g), streamed,
-                                       event=_new_event(self._device_type),
+                                       event=_new_event(self._device_type, timing),
                                        announces_end=ends_transfer and i == len(groups) - 2,
                                        layers_through=g[-1] + 1, num_layers=num_layers,
-                                       t_planned=t_planned)
+                                       t_planned=t_planned, step_start=step_start)
                              for i, g in enumerate(groups)]
         names = self._layout.layer_names
         self._group_of_end_layer = {names[g[-1]]: i for i, g in enumerate(groups)}
         if self._tracer.enabled:
             self._tracer.event("step_plan", step=self._step, groups=len(groups),
                                tokens=avg_tokens, tasks=len(streamed),
+                               transfer_ms=round(transfer_s * 1e3, 2),
                                transfer_ids=[t.transfer_id for t in streamed],
                                final=[t.transfer_id for t in streamed if t.final])
+
+    def _step_bytes(self, tasks: list[SendTask]) -> int:
+        """This rank's KV of the step's new blocks, all layers (what the step puts on the
+        link; with TP different on D, the head slices add up to the same)."""
+        blocks = sum(max((len(b) for b in t.src_blocks), default=0) for t in tasks)
+        return blocks * self._layout.block_bytes * self._layout.num_layers
 
     def on_layer_saved(self, layer_name: str) -> None:
         group = self._group_of_end_layer.get(layer_name)

@@ -44,6 +44,7 @@ from vllm_layerkv.transport.base import (
     TransportError,
 )
 from vllm_layerkv.wire.protocol import Hello, TransferAck
+from vllm_layerkv.worker.link_rate import LinkRate
 
 logger = init_logger(__name__)
 
@@ -66,6 +67,10 @@ class GroupSend:
     num_layers: int = 0
     t_planned: float = 0.0
     """When the worker planned the step (just before the forward; ``time.monotonic``)."""
+    step_start: torch.cuda.Event | None = None
+    """With tracing on GPU: a timing event recorded when the step was planned, so that the
+    trace says when the group was ready on the device (``group_ready``), not only when this
+    thread got to it."""
 
 
 @dataclass
@@ -197,6 +202,9 @@ class Sender:
         self._stats = parts.stats
         self._tracer = parts.tracer
         self.state = SenderState()
+        self.link_rate = LinkRate()
+        """The rate this sender's groups move at (read by the group planner)."""
+        self._group_bytes = 0
         self._queue: queue.SimpleQueue[WorkItem | None] = queue.SimpleQueue()
         self._channels: dict[str, SendChannel] = {}
         if self._transport.host_bounce:
@@ -263,9 +271,14 @@ class Sender:
         if item.event is not None:
             item.event.synchronize()  # KV of this group is written on the device
         t0 = time.monotonic()
+        if item.step_start is not None and item.event is not None and self._tracer.enabled:
+            self._tracer.event("group_ready", step=item.step, group=item.group,
+                               gpu_s=item.step_start.elapsed_time(item.event) / 1e3)
+        self._group_bytes = 0
         try:
             self._write_group(item, t0)
         finally:
+            self.link_rate.observe(self._group_bytes, time.monotonic() - t0)
             if item.announces_end:
                 self._announce_end(item, t0)
 
@@ -339,6 +352,7 @@ class Sender:
     def _count(self, out: Outgoing, endpoint: str, t_start: float, nbytes: int) -> None:
         """One transfer operation (a frame, a direct write) to ``endpoint`` is done."""
         self._stats.record_group(nbytes, time.monotonic() - t_start)
+        self._group_bytes += nbytes
         out.frames_to[endpoint] = out.frames_to.get(endpoint, 0) + 1
         out.nbytes_to[endpoint] = out.nbytes_to.get(endpoint, 0) + nbytes
         if not out.t_first:
