@@ -42,9 +42,11 @@ d_first is split further (``D_PARTS``; their sum is d_first):
 On GPU, P's trace also says when each group was ready on the device (``group_ready``, a
 timing event recorded when the step was planned), which splits prefill (``GPU_PARTS``):
 
-  p_gpu         P's first step plan -> the last group of the final chunk done on the device
-  send_wait     -> the sender gets to that group (0 when the link kept up; on a slow link, the
-                groups still queued before it)
+  p_gpu         the GPU time of the request's steps: per chunk, from the step's start on
+                the device to its last group done (a chunked prompt's steps added up; the
+                engine may plan a chunk while the device still runs the one before)
+  send_wait     prefill - p_gpu: the sender still busy with earlier groups when the last one
+                was ready (0 when the link kept up), plus the engine's time between chunks
 
     python benchmarks/profile_trace.py DIR [--json OUT]
 """
@@ -149,9 +151,9 @@ def request_breakdowns(trace_dir: Path) -> list[dict[str, Any]]:
         for name, a, b in zip(SEGMENTS, marks, marks[1:]):
             row[name] = round((b - a) * 1000, 2)
         row["total"] = round((marks[-1] - marks[0]) * 1000, 2)
-        gpu_s = ready_s.get((last["step"], last["groups"] - 1))
-        if gpu_s is not None:
-            row["p_gpu"] = round((last["t"] + gpu_s - tid_plans[0]["t"]) * 1000, 2)
+        device_s = [ready_s.get((p["step"], p["groups"] - 1)) for p in tid_plans]
+        if all(s is not None for s in device_s):
+            row["p_gpu"] = round(sum(device_s) * 1000, 2)  # type: ignore[arg-type]
             row["send_wait"] = round(max(0.0, row["prefill"] - row["p_gpu"]), 2)
         pm = p_marks.get(tid, {})
         if all(m in pm for m in P_MARKS):

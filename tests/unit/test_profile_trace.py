@@ -121,3 +121,20 @@ def test_device_ready_times_split_prefill_into_compute_and_send_wait(tmp_path: P
     assert row["send_wait"] == pytest.approx(25.0, abs=0.01)
     table = profile_trace.format_table(profile_trace.medians_by_length([row]))
     assert "p_gpu | send_wait" in table
+
+
+def test_a_chunked_prompt_adds_up_the_device_time_of_its_steps(tmp_path: Path) -> None:
+    """Two chunks, 30 and 45 ms on the device: p_gpu 75 ms, whatever the plans' wall times."""
+    traces(tmp_path, schedulers=False)
+    p = tmp_path / "trace.p.0"
+    events = [json.loads(line) for line in p.read_text().splitlines()]
+    first = {"ev": "step_plan", "step": 2, "groups": 2, "tokens": 4096, "tasks": 1,
+             "transfer_ids": [TID], "final": [], "t": 9.990}
+    events[:0] = [first,
+                  {"ev": "group_ready", "step": 2, "group": 1, "gpu_s": 0.030, "t": 10.021}]
+    events.append({"ev": "group_ready", "step": 3, "group": 1, "gpu_s": 0.045, "t": 10.100})
+    write(p, events)
+    [row] = profile_trace.request_breakdowns(tmp_path)
+    assert row["chunks"] == 2 and row["prefill"] == pytest.approx(110.0, abs=0.01)
+    assert row["p_gpu"] == pytest.approx(75.0, abs=0.01)
+    assert row["send_wait"] == pytest.approx(35.0, abs=0.01)
