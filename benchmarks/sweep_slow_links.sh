@@ -9,7 +9,8 @@
 #   3. c=1 at 4K / 8K / 16K: layerkv, layerkv-auth, layerkv-tcp, layerkv-tcp-auth (the cost of
 #      authentication, side by side);
 #   4. open-loop rates over CUDA IPC: single (which measures P's prefill capacity), single-x2
-#      (two single instances behind vllm-router round_robin) and layerkv at RATES of it;
+#      (two single instances behind vllm-router round_robin), nixl and layerkv at RATES of it;
+#      then nixl-tcp and layerkv-nixl-tcp (UCX tcp) at the same rates;
 #   5. the tables and plots (plot_link_rates.py, plot_results.py) under $OUT/plots.
 # Each benchmark run is a gpu_bench.sh run in $OUT/<step>; $OUT/commands.txt has every command.
 # CUDA_GRAPHS=0 runs every instance eager (default 1: --cuda-graphs, as the headline results).
@@ -36,12 +37,18 @@ bench_step 02_c1_links 600 single layerkv-tcp layerkv-tcp-100g layerkv-tcp-50g \
 bench_step 03_c1_auth 400 layerkv layerkv-auth layerkv-tcp layerkv-tcp-auth -- "${graphs[@]}" \
   --prompt-lens 4096 8192 16000 --num-prompts "$NUM_PROMPTS" --link-probe "${probes[@]}"
 
-bench_step 04_rates_cuda_ipc 600 single single-x2 layerkv -- "${graphs[@]}" \
+bench_step 04_rates_cuda_ipc 600 single single-x2 nixl layerkv -- "${graphs[@]}" \
   --prompt-lens "${RATE_SHAPE%%:*}" --num-prompts "$NUM_PROMPTS" --rates "$RATES" \
   --rate-shape "$RATE_SHAPE" --link-probe "${probes[@]}"
+
+# the same rates over UCX tcp, at the capacity step 04 measured on the single instance
+bench_step 04_rates_ucx_tcp 600 nixl-tcp layerkv-nixl-tcp -- "${graphs[@]}" \
+  --prompt-lens "${RATE_SHAPE%%:*}" --num-prompts "$NUM_PROMPTS" --rates "$RATES" \
+  --rate-shape "$RATE_SHAPE" --capacity-from "$OUT/04_rates_cuda_ipc/summary.json" \
+  --link-probe "${probes[@]}"
 
 plain_step 05_plot_link_rates 10 300 python3 benchmarks/plot_link_rates.py "$OUT/02_c1_links" \
   --prompt-lens 8192 16000 --out "$OUT/plots"
 plain_step 05_plot_results 10 300 python3 benchmarks/plot_results.py "$OUT/02_c1_links" \
-  "$OUT/03_c1_auth" "$OUT/04_rates_cuda_ipc" --out "$OUT/plots"
+  "$OUT/03_c1_auth" "$OUT/04_rates_cuda_ipc" "$OUT/04_rates_ucx_tcp" --out "$OUT/plots"
 note "done"

@@ -1033,10 +1033,22 @@ def log_ideal(report: dict[str, Any]) -> None:
                 f"the link), measured {row['ttft_ms']:.1f} ms = {row['ratio']:.3f}x ideal")
 
 
+def earlier_capacity(path: Path) -> dict[str, Any]:
+    """The prefill capacity an earlier run measured (``--capacity-from``)."""
+    try:
+        measured = json.loads(path.read_text())["capacity"]
+        rps = float(measured["requests_per_s"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"--capacity-from {path}: no measured capacity there ({e}); run "
+                         "'single' with fractional --rates first, or give --capacity") from None
+    return {**measured, "requests_per_s": rps, "measured_on": f"--capacity-from {path}"}
+
+
 def order_for_capacity(configs: list[Config], args: argparse.Namespace) -> list[Config]:
     """Fractional rates need P's capacity, measured on 'single' (or given by --capacity):
     'single' runs first then."""
-    if args.capacity is not None or not any(r.of_capacity for r in args.rates):
+    if (args.capacity is not None or args.capacity_from is not None
+            or not any(r.of_capacity for r in args.rates)):
         return configs
     singles = [c for c in configs if c.family == "single"]
     if not singles:
@@ -1096,6 +1108,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--capacity", type=float, default=None, metavar="REQUESTS_PER_S",
                     help="P's prefill capacity at the rate points' input length, for "
                          "fractional --rates (default: measured on 'single')")
+    ap.add_argument("--capacity-from", type=Path, default=None, metavar="SUMMARY_JSON",
+                    help="take --capacity from an earlier run's summary.json (its measured "
+                         "'capacity'), read when this run starts")
     ap.add_argument("--capacity-prompts", type=int, default=32, metavar="N",
                     help="prompts of the burst that measures the capacity (default 32)")
     ap.add_argument("--link-probe", type=Path, nargs="+", default=[], metavar="PATH",
@@ -1174,7 +1189,9 @@ def main() -> int:
             layout(c, args.num_gpus, args.decode_first_gpu)
     configs = order_for_capacity(configs, args)
     capacity: dict[str, Any] = {}
-    if args.capacity is not None:
+    if args.capacity is None and args.capacity_from is not None:
+        capacity.update(earlier_capacity(args.capacity_from))
+    elif args.capacity is not None:
         capacity.update(requests_per_s=args.capacity, measured_on="--capacity")
     if args.rates:
         summary["capacity"] = capacity

@@ -263,8 +263,11 @@ def test_the_slow_link_sweep_runs_the_probe_first_then_its_benchmarks_in_order(
                          "layerkv-tcp-25g", "layerkv-tcp-10g", "layerkv-nixl-tcp",
                          "nixl-tcp"]),
         ("03_c1_auth", ["layerkv", "layerkv-auth", "layerkv-tcp", "layerkv-tcp-auth"]),
-        ("04_rates_cuda_ipc", ["single", "single-x2", "layerkv"])]
+        ("04_rates_cuda_ipc", ["single", "single-x2", "nixl", "layerkv"]),
+        ("04_rates_ucx_tcp", ["nixl-tcp", "layerkv-nixl-tcp"])]
     check_runs(runs, model, gpus=2)
+    ucx = runs[3][2]
+    assert ucx[ucx.index("--capacity-from") + 1].endswith("04_rates_cuda_ipc/summary.json")
     c1 = runs[0][2]
     probes = c1[c1.index("--link-probe") + 1:]
     assert probes == [commands[0][commands[0].index("--out") + 1],
@@ -303,7 +306,7 @@ def test_a_sweep_short_of_time_skips_the_steps_that_do_not_fit(tmp_path: Path,
     assert scripts == ["benchmarks/link_probe.py", "benchmarks/link_probe.py",
                        "benchmarks/plot_link_rates.py", "benchmarks/plot_results.py"]
     log = (out / "sweep.log").read_text()
-    for run in ("02_c1_links", "03_c1_auth", "04_rates_cuda_ipc"):
+    for run in ("02_c1_links", "03_c1_auth", "04_rates_cuda_ipc", "04_rates_ucx_tcp"):
         assert f"{run}: skipped" in log
     ran = (out / "commands.txt").read_text()
     assert "gpu_bench.sh" not in ran and ran.count("link_probe.py") == 2

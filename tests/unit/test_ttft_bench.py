@@ -373,6 +373,19 @@ def test_rates_parse_as_requests_per_second_or_fractions_of_capacity() -> None:
         open_loop.rate_shape("4096:128")
 
 
+def test_capacity_from_an_earlier_run_s_summary(tmp_path: Path) -> None:
+    summary = tmp_path / "summary.json"
+    summary.write_text(json.dumps({"capacity": {"requests_per_s": 9.74, "prompt_len": 4096}}))
+    got = ttft_bench.earlier_capacity(summary)
+    assert got["requests_per_s"] == 9.74 and got["prompt_len"] == 4096
+    assert got["measured_on"] == f"--capacity-from {summary}"
+    summary.write_text(json.dumps({"results": {}}))  # that run measured none
+    with pytest.raises(SystemExit, match="no measured capacity there.*give --capacity"):
+        ttft_bench.earlier_capacity(summary)
+    with pytest.raises(SystemExit, match="no measured capacity there"):
+        ttft_bench.earlier_capacity(tmp_path / "missing.json")
+
+
 def test_percentiles_are_numpy_s() -> None:
     values = [float(v) for v in np.random.default_rng(3).exponential(100, 57)]
     for p in (0, 1, 50, 90, 99, 100):
