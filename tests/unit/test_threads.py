@@ -71,3 +71,14 @@ def test_group_events_are_blocking(monkeypatch: pytest.MonkeyPatch) -> None:
     assert made == [{"blocking": True}]
     assert prefill_worker._new_event("cpu") is None
     assert len(made) == 1
+
+
+def test_traced_steps_get_timing_events(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a trace, the group events also time the group (``group_ready``), still blocking."""
+    made: list[dict] = []
+    fake_cuda = types.SimpleNamespace(Event=lambda **kw: made.append(kw) or object())
+    import torch
+
+    monkeypatch.setattr(torch, "cuda", fake_cuda)
+    assert prefill_worker._new_event("cuda", timing=True) is not None
+    assert made == [{"blocking": True, "enable_timing": True}]

@@ -52,7 +52,9 @@ def _new_event(device_type: str, timing: bool = False) -> torch.cuda.Event | Non
         return None
     import torch
 
-    return torch.cuda.Event(blocking=True, enable_timing=timing)
+    if timing:
+        return torch.cuda.Event(blocking=True, enable_timing=True)
+    return torch.cuda.Event(blocking=True)
 
 
 def _record(event: torch.cuda.Event | None) -> None:
