@@ -1,10 +1,11 @@
 """One real CPU P/D cluster (reference, prefill, decode, proxy) shared by every e2e test: CPU
-vLLM servers take ~40 s and ~3.5 GiB each to start, so they are started once per session.
+vLLM servers take ~50 s of CPU and ~3.5 GiB each to start, so they are started once for the
+whole test run.
 
-It stays up from the first test that uses it to the end. Test files with clusters of their
-own that must not overlap it (test_hybrid_e2e.py) sort before every file that uses it: a
-file named test_first_*.py once started it first, and the 2-core, 24 GiB CI machine ran
-out of memory with six servers up."""
+It stays up from the first test that uses it to the end. Test files with servers of their own
+that do not use it run before every file that does (:func:`pytest_collection_modifyitems`), so
+their servers never sit beside it: the 2-core, 24 GiB CI machine once ran out of memory with six
+servers up."""
 
 from __future__ import annotations
 
@@ -18,7 +19,20 @@ import pytest
 from vllm_layerkv.testing.cluster import ClusterSpec, PDCluster, wait_idle
 from vllm_layerkv.testing.faults import ENV as FAULTS_ENV
 from vllm_layerkv.testing.models import model_path
-from vllm_layerkv.testing.servers import get_text
+from vllm_layerkv.testing.servers import VllmServer, get_text
+
+E2E_DIR = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run the e2e files that do not use the shared cluster before those that do, each group
+    in file order; other tests keep their places."""
+    slots = [i for i, item in enumerate(items) if E2E_DIR in item.path.parents]
+    uses_cluster = {items[i].path for i in slots if "cluster" in items[i].fixturenames}
+    ordered = sorted((items[i] for i in slots), key=lambda item: item.path in uses_cluster)
+    for i, item in zip(slots, ordered):
+        items[i] = item
+
 
 # Short robustness timeouts so the failure tests finish quickly (defaults: docs/configuration.md)
 PREFILL_EXTRA = {"registration_timeout_s": 6, "ack_timeout_s": 20}
@@ -41,7 +55,19 @@ def no_leaks(cluster: PDCluster):
     """After the test, both P and D must return to idle: no requests, no blocks in use; and
     the proxy must hold no request on either (its routing counts, ``in_flight`` in /health)."""
     yield
-    for server in (cluster.prefill, cluster.decode):
+    assert_no_leaks(cluster, (cluster.prefill, cluster.decode))
+
+
+@pytest.fixture
+def prefill_no_leaks(cluster: PDCluster):
+    """``no_leaks`` for P alone: for tests that run while D holds another test's request on
+    purpose (test_pd_e2e.py's ``kv_never_arrives``), whose own test then checks both."""
+    yield
+    assert_no_leaks(cluster, (cluster.prefill,))
+
+
+def assert_no_leaks(cluster: PDCluster, servers: tuple[VllmServer, ...]) -> None:
+    for server in servers:
         readings = wait_idle(server)
         assert not any(readings.values()), f"{server.log_path.stem} leaked: {readings}"
     if cluster.proxy is not None:

@@ -8,6 +8,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -37,8 +38,6 @@ def complete(url: str, prompt: str, **kw: Any) -> dict[str, Any]:
     status, data = post_json(url + "/v1/completions", body, timeout=300)
     assert status == 200, f"HTTP {status}: {data}"
     return data
-
-
 
 
 def token_ids(resp: dict[str, Any]) -> list[int]:
@@ -209,34 +208,6 @@ def test_decode_fails_fast_when_prefill_unreachable(cluster: PDCluster, no_leaks
     assert "cannot reach the prefill instance" in cluster.decode.log_path.read_text()
 
 
-def test_decode_times_out_when_kv_never_arrives(cluster: PDCluster, no_leaks: None) -> None:
-    """D registers with a live P that never gets the prefill request: D must fail the
-    request after kv_wait_timeout_s (45 s here) instead of waiting forever."""
-    t = time.monotonic()
-    status, data = post_json(cluster.decode.url + "/v1/completions", {
-        "model": MODEL_NAME, "prompt": make_prompt(80, 2), "max_tokens": 4, "temperature": 0,
-        "kv_transfer_params": cluster.decode_params(uuid.uuid4().hex)}, timeout=120)
-    elapsed = time.monotonic() - t
-    assert status >= 500, data
-    assert 40 <= elapsed < 90, elapsed
-    assert "kv_wait_timeout_s" in cluster.decode.log_path.read_text()
-
-
-def test_prefill_frees_blocks_when_decode_never_registers(cluster: PDCluster,
-                                                          no_leaks: None) -> None:
-    """P serves its request, holds the KV for registration_timeout_s (6 s here), then frees it."""
-    tid = uuid.uuid4().hex
-    t = time.monotonic()
-    out = complete(cluster.prefill.url, make_prompt(300, 5), max_tokens=1,
-                   kv_transfer_params={"do_remote_decode": True, "transfer_id": tid})
-    assert out["kv_transfer_params"]["transfer_id"] == tid
-    assert time.monotonic() - t < 30
-    readings = wait_idle(cluster.prefill, timeout=30)
-    assert not any(readings.values()), readings
-    assert "no decode registered within registration_timeout_s" in \
-        cluster.prefill.log_path.read_text()
-
-
 def test_decode_abort_while_waiting_frees_both_sides(cluster: PDCluster, no_leaks: None) -> None:
     """A client gives up on D while D waits for KV that never comes: D frees its blocks and
     tells P, well before kv_wait_timeout_s."""
@@ -304,24 +275,6 @@ def test_transfer_error_fails_decode_at_once(cluster: PDCluster, no_leaks: None)
     assert "injected write fault" in cluster.decode.log_path.read_text()
 
 
-def test_missing_ack_frees_prefill_blocks_after_ack_timeout(cluster: PDCluster,
-                                                            no_leaks: None) -> None:
-    """D completes but its acknowledgement never reaches P (fault hook): P frees the request's
-    blocks after ack_timeout_s (20 s here) and says so."""
-    assert cluster.reference is not None
-    prompt = make_prompt(300, 22)
-    tid = faults.NO_ACK_PREFIX + uuid.uuid4().hex
-    d, (p_status, _) = cluster.prefill_and_decode(tid, prompt, max_tokens=MAX_TOKENS)
-    assert p_status == 200 and d.get("status") == 200, d
-    assert d["data"]["choices"][0]["text"] == \
-        complete(cluster.reference.url, prompt)["choices"][0]["text"]
-    t = time.monotonic()
-    readings = wait_idle(cluster.prefill, timeout=45)
-    assert not any(readings.values()), readings
-    assert time.monotonic() - t < 45
-    assert "no acknowledgement from decode" in cluster.prefill.log_path.read_text()
-
-
 def test_malformed_kv_transfer_params_get_a_clear_answer(cluster: PDCluster,
                                                          no_leaks: None) -> None:
     """Malformed params: the request is served locally, and the response says what to fix."""
@@ -338,3 +291,86 @@ def test_malformed_kv_transfer_params_get_a_clear_answer(cluster: PDCluster,
     status, data = post_json(cluster.proxy.url + "/v1/completions",  # type: ignore[union-attr]
                              {"prompt": prompt}, timeout=30)
     assert status == 400 and "model" in json.dumps(data)
+
+
+# ------------------------------------------------------------------------- timeouts
+# The tests that wait out P's timeouts run while D waits out its own on another request: the
+# waits overlap instead of adding up (45 s + ~30 s on CPU).
+
+
+class PendingRequest:
+    """A request sent in a thread of its own; :meth:`outcome` waits for its answer."""
+
+    def __init__(self, url: str, body: dict[str, Any]) -> None:
+        self._result: dict[str, Any] = {}
+        self._thread = threading.Thread(target=self._send, args=(url, body), daemon=True)
+        self._thread.start()
+
+    def _send(self, url: str, body: dict[str, Any]) -> None:
+        t = time.monotonic()
+        try:
+            self._result["status"], self._result["data"] = post_json(url, body, timeout=120)
+        except OSError as e:
+            self._result["status"], self._result["data"] = 0, repr(e)
+        self._result["elapsed"] = time.monotonic() - t
+
+    def outcome(self) -> tuple[int, Any, float]:
+        """(HTTP status, body, seconds to the answer); status 0: no answer."""
+        self._thread.join(150)
+        assert not self._thread.is_alive(), "no answer within 150 s"
+        return self._result["status"], self._result["data"], self._result["elapsed"]
+
+
+@pytest.fixture(scope="module")
+def kv_never_arrives(cluster: PDCluster) -> Iterator[PendingRequest]:
+    """A request to D with a live P's endpoint that P never gets the prefill request for, sent
+    when the first test asks for it: D parks it until kv_wait_timeout_s (45 s here)."""
+    pending = PendingRequest(cluster.decode.url + "/v1/completions", {
+        "model": MODEL_NAME, "prompt": make_prompt(80, 2), "max_tokens": 4, "temperature": 0,
+        "kv_transfer_params": cluster.decode_params(uuid.uuid4().hex)})
+    yield pending
+    pending.outcome()  # leaves D idle for the next module even when the test did not run
+
+
+def test_prefill_frees_blocks_when_decode_never_registers(
+        cluster: PDCluster, kv_never_arrives: PendingRequest, prefill_no_leaks: None) -> None:
+    """P serves its request, holds the KV for registration_timeout_s (6 s here), then frees it."""
+    tid = uuid.uuid4().hex
+    t = time.monotonic()
+    out = complete(cluster.prefill.url, make_prompt(300, 5), max_tokens=1,
+                   kv_transfer_params={"do_remote_decode": True, "transfer_id": tid})
+    assert out["kv_transfer_params"]["transfer_id"] == tid
+    assert time.monotonic() - t < 30
+    readings = wait_idle(cluster.prefill, timeout=30)
+    assert not any(readings.values()), readings
+    assert "no decode registered within registration_timeout_s" in \
+        cluster.prefill.log_path.read_text()
+
+
+def test_missing_ack_frees_prefill_blocks_after_ack_timeout(
+        cluster: PDCluster, kv_never_arrives: PendingRequest, prefill_no_leaks: None) -> None:
+    """D completes but its acknowledgement never reaches P (fault hook): P frees the request's
+    blocks after ack_timeout_s (20 s here) and says so."""
+    assert cluster.reference is not None
+    prompt = make_prompt(300, 22)
+    tid = faults.NO_ACK_PREFIX + uuid.uuid4().hex
+    d, (p_status, _) = cluster.prefill_and_decode(tid, prompt, max_tokens=MAX_TOKENS)
+    assert p_status == 200 and d.get("status") == 200, d
+    assert d["data"]["choices"][0]["text"] == \
+        complete(cluster.reference.url, prompt)["choices"][0]["text"]
+    t = time.monotonic()
+    readings = wait_idle(cluster.prefill, timeout=45)
+    assert not any(readings.values()), readings
+    assert time.monotonic() - t < 45
+    assert "no acknowledgement from decode" in cluster.prefill.log_path.read_text()
+
+
+def test_decode_times_out_when_kv_never_arrives(cluster: PDCluster,
+                                                kv_never_arrives: PendingRequest,
+                                                no_leaks: None) -> None:
+    """D registers with a live P that never gets the prefill request: D must fail the
+    request after kv_wait_timeout_s (45 s here) instead of waiting forever."""
+    status, data, elapsed = kv_never_arrives.outcome()
+    assert status >= 500, data
+    assert 40 <= elapsed < 90, elapsed
+    assert "kv_wait_timeout_s" in cluster.decode.log_path.read_text()

@@ -1,8 +1,15 @@
 """Failures that need servers of their own: a prefill or decode process killed (SIGKILL) while
 KV streams, a decode instance whose KV layout does not match the prefill's, and
 kv_load_failure_policy=recompute after a failed transfer (also one that fails after D released
-the request early). Each kill and the layout mismatch start their own P + D (no reference,
-~45 s on CPU) beside the shared e2e cluster; the two recompute tests share one pair."""
+the request early).
+
+One prefill instance (the shared e2e cluster's settings, no reference) serves every test here,
+as a P serves several D in xPyD; each case gets a decode instance of its own: one with another
+block size, one with the recompute policy, one that is killed, and one beside which P itself is
+killed, in the last test of the file. The five start together, before the shared e2e cluster
+(conftest.py runs files that do not use it first), so their start-ups keep both cores busy; a
+server's start-up is ~50 s of CPU on this machine. Log checks on P read only what P wrote
+during the test, since P also logs the other tests' failures."""
 
 from __future__ import annotations
 
@@ -19,18 +26,39 @@ from prompts import make_prompt
 from vllm_layerkv.testing import faults
 from vllm_layerkv.testing.cluster import ClusterSpec, PDCluster, wait_idle
 from vllm_layerkv.testing.models import model_path
+from vllm_layerkv.testing.servers import start_all, stop_all
 
 pytestmark = pytest.mark.e2e
 LONG_PROMPT = make_prompt(2800, 31)  # ~3,100 tokens: ~12 chunks of 256 on P
 
 
-def start_pair(tmp_path: Path, **spec_kw) -> PDCluster:
-    spec = ClusterSpec(model=model_path("smollm2"), workdir=tmp_path, with_reference=False,
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, PDCluster]]:
+    """The shared P with each case's D, by case: "layout" (D with block size 32), "recompute"
+    (kv_load_failure_policy=recompute, and early release 1 s before P's estimate, so that a
+    transfer failing at its end fails after D released the request), "decode_killed" and
+    "prefill_killed" (plain D)."""
+    spec = ClusterSpec(model=model_path("smollm2"), workdir=tmp_path_factory.mktemp("faults"),
+                       with_reference=False, with_proxy=False,
                        prefill_extra={"registration_timeout_s": 6, "ack_timeout_s": 20},
-                       decode_extra={"kv_wait_timeout_s": 45,
-                                     **spec_kw.pop("decode_extra", {})},
-                       connector_env={faults.ENV: "1"}, **spec_kw)
-    return PDCluster(spec).start()
+                       decode_extra={"kv_wait_timeout_s": 45},
+                       connector_env={faults.ENV: "1"})
+    decode_killed = PDCluster(spec)
+    by_case = {
+        "layout": decode_killed.with_another_decode("decode-block32",
+                                                    args=["--block-size", "32"]),
+        "recompute": decode_killed.with_another_decode(
+            "decode-recompute", kv_config={"kv_load_failure_policy": "recompute"},
+            extra={**spec.decode_extra, "early_release_lead_ms": 1000}),
+        "decode_killed": decode_killed,
+        "prefill_killed": decode_killed.with_another_decode("decode-2"),
+    }
+    servers = [decode_killed.prefill, *(pair.decode for pair in by_case.values())]
+    start_all(servers, timeout=900)
+    try:
+        yield by_case
+    finally:
+        stop_all(servers)
 
 
 def assert_idle(cluster: PDCluster, *which: str) -> None:
@@ -39,50 +67,26 @@ def assert_idle(cluster: PDCluster, *which: str) -> None:
         assert not any(readings.values()), f"{name} leaked: {readings}"
 
 
-def test_prefill_killed_mid_stream_fails_decode(tmp_path: Path) -> None:
-    """P is SIGKILLed while it streams: D sees the data connection drop and fails the request
-    well before kv_wait_timeout_s, and frees its blocks."""
-    cluster = start_pair(tmp_path)
-    try:
-        d, _ = cluster.prefill_and_decode(uuid.uuid4().hex, LONG_PROMPT,
-                                          on_streaming=cluster.prefill.kill)
-        assert d["status"] >= 500, d
-        assert d["elapsed"] < 30, d
-        assert_idle(cluster, "decode")
-        assert cluster.decode.poll_ready()  # D still serves
-    finally:
-        cluster.stop()
+def log_size(path: Path) -> int:
+    return path.stat().st_size
 
 
-def test_decode_killed_while_prefill_streams(tmp_path: Path) -> None:
-    """D is SIGKILLed while P streams into it: P's sender loses the connection, P still answers
-    its own request, and frees the request's blocks at once (no acknowledgement will come)."""
-    cluster = start_pair(tmp_path)
-    try:
-        _, (p_status, _) = cluster.prefill_and_decode(uuid.uuid4().hex, LONG_PROMPT,
-                                                      on_streaming=cluster.decode.kill)
-        assert p_status == 200
-        assert_idle(cluster, "prefill")
-        assert re.search(r"LayerKV transfer \S+ \(request .*\) to .* failed",
-                         cluster.prefill.log_path.read_text())
-        assert cluster.prefill.poll_ready()
-    finally:
-        cluster.stop()
+def log_since(path: Path, offset: int) -> str:
+    with path.open("rb") as f:
+        f.seek(offset)
+        return f.read().decode("utf-8", "replace")
 
 
-def test_kv_layout_mismatch_is_refused_at_registration(tmp_path: Path) -> None:
+def test_kv_layout_mismatch_is_refused_at_registration(pairs: dict[str, PDCluster]) -> None:
     """D runs with another block size than P: P refuses D's registration naming the differing
     field, and D fails the request at once instead of waiting for KV."""
-    cluster = start_pair(tmp_path, decode_args=["--block-size", "32"])
-    try:
-        d, (p_status, _) = cluster.prefill_and_decode(uuid.uuid4().hex, make_prompt(200, 32))
-        assert d["status"] >= 500, d
-        assert d["elapsed"] < 15, d
-        assert "Traceback" not in json.dumps(d["data"])
-        assert "block_size" in cluster.decode.log_path.read_text()
-        assert_idle(cluster, "decode", "prefill")
-    finally:
-        cluster.stop()
+    cluster = pairs["layout"]
+    d, (p_status, _) = cluster.prefill_and_decode(uuid.uuid4().hex, make_prompt(200, 32))
+    assert d["status"] >= 500, d
+    assert d["elapsed"] < 15, d
+    assert "Traceback" not in json.dumps(d["data"])
+    assert "block_size" in cluster.decode.log_path.read_text()
+    assert_idle(cluster, "decode", "prefill")
 
 
 def failure_line(cluster: PDCluster, transfer_id: str) -> str:
@@ -91,19 +95,6 @@ def failure_line(cluster: PDCluster, transfer_id: str) -> str:
         if f"LayerKV transfer {transfer_id} (request" in line:
             return line
     raise AssertionError(f"D's log has no failure of transfer {transfer_id}")
-
-
-@pytest.fixture(scope="module")
-def recompute_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDCluster]:
-    """D with kv_load_failure_policy=recompute, and early release 1 s before P's estimate, so
-    that a transfer failing at its end fails after D released the request."""
-    cluster = start_pair(tmp_path_factory.mktemp("recompute"),
-                         decode_kv_config={"kv_load_failure_policy": "recompute"},
-                         decode_extra={"early_release_lead_ms": 1000})
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
 
 
 def recomputed_failure(cluster: PDCluster, fault_prefix: str, seed: int) -> str:
@@ -122,17 +113,45 @@ def recomputed_failure(cluster: PDCluster, fault_prefix: str, seed: int) -> str:
 
 
 def test_recompute_policy_serves_the_request_after_a_failed_transfer(
-        recompute_pair: PDCluster) -> None:
+        pairs: dict[str, PDCluster]) -> None:
     """kv_load_failure_policy=recompute on D: a transfer that fails (fault hook: its first
     write already, so before D could release it early) is recomputed on D, and the answer
     equals what D computes for the prompt on its own."""
-    line = recomputed_failure(recompute_pair, faults.WRITE_FAULT_PREFIX, 33)
+    line = recomputed_failure(pairs["recompute"], faults.WRITE_FAULT_PREFIX, 33)
     assert "injected write fault" in line and "released early" not in line, line
 
 
-def test_transfer_failing_after_early_release_is_recomputed(recompute_pair: PDCluster) -> None:
+def test_transfer_failing_after_early_release_is_recomputed(
+        pairs: dict[str, PDCluster]) -> None:
     """D released the request early (P said its last group was coming) and then the last group
     failed: vLLM gets the request's blocks as load errors in the step that runs it and, with
     kv_load_failure_policy=recompute, recomputes it; the answer equals D's own."""
-    line = recomputed_failure(recompute_pair, faults.LATE_WRITE_FAULT_PREFIX, 35)
+    line = recomputed_failure(pairs["recompute"], faults.LATE_WRITE_FAULT_PREFIX, 35)
     assert "released early) failed" in line and "injected write fault" in line, line
+
+
+def test_decode_killed_while_prefill_streams(pairs: dict[str, PDCluster]) -> None:
+    """D is SIGKILLed while P streams into it: P's sender loses the connection, P still answers
+    its own request, and frees the request's blocks at once (no acknowledgement will come)."""
+    cluster = pairs["decode_killed"]
+    p_log_start = log_size(cluster.prefill.log_path)
+    _, (p_status, _) = cluster.prefill_and_decode(uuid.uuid4().hex, LONG_PROMPT,
+                                                  on_streaming=cluster.decode.kill)
+    assert p_status == 200
+    assert_idle(cluster, "prefill")
+    assert re.search(r"LayerKV transfer \S+ \(request .*\) to .* failed",
+                     log_since(cluster.prefill.log_path, p_log_start))
+    assert cluster.prefill.poll_ready()
+
+
+def test_prefill_killed_mid_stream_fails_decode(pairs: dict[str, PDCluster]) -> None:
+    """P is SIGKILLed while it streams: D sees the data connection drop and fails the request
+    well before kv_wait_timeout_s, and frees its blocks. The file's last test: P is gone
+    afterwards."""
+    cluster = pairs["prefill_killed"]
+    d, _ = cluster.prefill_and_decode(uuid.uuid4().hex, LONG_PROMPT,
+                                      on_streaming=cluster.prefill.kill)
+    assert d["status"] >= 500, d
+    assert d["elapsed"] < 30, d
+    assert_idle(cluster, "decode")
+    assert cluster.decode.poll_ready()  # D still serves

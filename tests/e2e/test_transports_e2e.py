@@ -10,6 +10,7 @@ test_pd_e2e.py checks that cluster's outputs token by token.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -67,18 +68,28 @@ BOUNCE = {"host_bounce": "on", "staging_buffer_mb": 1, "writes_in_flight": 2}
 (a 512-token chunk of SmolLM2's 15-layer group is about 12), two in flight."""
 
 
-@pytest.mark.parametrize("transport", ["tcp", "mooncake", "nixl+bounce"])
-def test_transport_outputs_token_identical(transport: str, cluster: PDCluster,
-                                           tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def expected(cluster: PDCluster) -> list[list[int]]:
+    """The reference's tokens for SAMPLE, 3 at a time as in test_pd_e2e.py: taken once, for
+    every transport."""
     assert cluster.reference is not None
-    expected = [generate(cluster.reference.url, p) for p in SAMPLE]
+    reference_url = cluster.reference.url
+    with ThreadPoolExecutor(3) as pool:
+        return list(pool.map(lambda p: generate(reference_url, p), SAMPLE))
+
+
+@pytest.mark.parametrize("transport", ["tcp", "mooncake", "nixl+bounce"])
+def test_transport_outputs_token_identical(transport: str, expected: list[list[int]],
+                                           tmp_path: Path) -> None:
     engine, _, variant = transport.partition("+")
     extra = {"transport": engine, **(BOUNCE if variant == "bounce" else {})}
     spec = ClusterSpec(model=model_path("smollm2"), workdir=tmp_path, with_reference=False,
                        prefill_extra=extra, decode_extra=extra)
     with PDCluster(spec) as pd:
         assert pd.proxy is not None
-        got = [generate(pd.proxy.url, p) for p in SAMPLE]
+        proxy_url = pd.proxy.url
+        with ThreadPoolExecutor(3) as pool:
+            got = list(pool.map(lambda p: generate(proxy_url, p), SAMPLE))
         for server in (pd.prefill, pd.decode):
             readings = wait_idle(server)
             assert not any(readings.values()), f"{server.log_path.stem} leaked: {readings}"

