@@ -12,7 +12,7 @@ import random
 import sys
 
 import torch
-from gpu_skip import Skipped
+from gpu_skip import run_as_script
 
 try:
     import pytest
@@ -81,15 +81,5 @@ def test_a_write_given_up_midway_leaves_the_next_one_exact() -> None:
 
 
 if __name__ == "__main__":
-    failed = 0
-    for name, fn in list(globals().items()):
-        if name.startswith("test_") and callable(fn):
-            try:
-                fn()
-                print("PASSED", name, flush=True)
-            except Skipped as e:
-                print("SKIPPED", name, e, flush=True)
-            except Exception as e:  # noqa: BLE001 - report every case
-                failed += 1
-                print("FAILED", name, repr(e)[:2000], flush=True)
+    failed = run_as_script(globals())
     sys.exit(1 if failed else 0)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 
 import torch
-from gpu_skip import Skipped
+from gpu_skip import run_as_script
 
 try:
     import pytest
@@ -90,15 +90,5 @@ def test_staged_block_io_refuses_requests_outside_the_kv_and_round_trips() -> No
 
 
 if __name__ == "__main__":
-    failed = 0
-    for name, fn in list(globals().items()):
-        if name.startswith("test_") and callable(fn):
-            try:
-                fn()
-                print("PASSED", name, flush=True)
-            except Skipped as e:
-                print("SKIPPED", name, e, flush=True)
-            except Exception as e:  # noqa: BLE001 - report every case
-                failed += 1
-                print("FAILED", name, repr(e)[:2000], flush=True)
+    failed = run_as_script(globals())
     sys.exit(1 if failed else 0)

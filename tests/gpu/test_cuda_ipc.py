@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import torch
-from gpu_skip import Skipped, skip
+from gpu_skip import run_as_script, skip
 
 try:
     import pytest
@@ -197,16 +197,6 @@ def test_mooncake_tcp_byte_exact() -> None:
 
 
 if __name__ == "__main__":
-    failed = 0
-    for name, fn in list(globals().items()):
-        if name.startswith("test_") and callable(fn):
-            try:
-                fn()
-                print("PASSED", name, flush=True)
-            except Skipped as e:
-                print("SKIPPED", name, e, flush=True)
-            except Exception as e:  # noqa: BLE001 - report every case
-                failed += 1
-                print("FAILED", name, repr(e)[:2000], flush=True)
+    failed = run_as_script(globals())
     print(json.dumps(RESULTS, indent=1))
     sys.exit(1 if failed else 0)

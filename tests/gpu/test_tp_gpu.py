@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import torch
-from gpu_skip import Skipped, skip
+from gpu_skip import run_as_script, skip
 
 try:
     import pytest
@@ -218,21 +218,8 @@ def test_warm_up_compiles_every_variant_a_request_needs() -> None:
 
 
 if __name__ == "__main__":
-    failed = 0
-    for name, fn in list(globals().items()):
-        if name.startswith("test_") and callable(fn):
-            try:
-                if name == "test_fused_gather_and_scatter_match_torch":
-                    for hb in (8192, 6, 1):
-                        fn(hb)
-                else:
-                    fn()
-                print("PASSED", name, flush=True)
-            except Skipped as e:
-                print("SKIPPED", name, e, flush=True)
-            except Exception as e:  # noqa: BLE001 - report every case
-                failed += 1
-                print("FAILED", name, repr(e)[:2000], flush=True)
+    failed = run_as_script(globals(), {
+        "test_fused_gather_and_scatter_match_torch": [(8192,), (6,), (1,)]})
     for r in RESULTS:
         gbps = [round(p["nbytes"] / p["seconds"] / 1e9, 2) for p in r["p"]]
         print(json.dumps({k: r[k] for k in ("transport", "heads", "p_tp", "d_tp", "blocks",
