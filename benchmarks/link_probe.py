@@ -167,9 +167,9 @@ def transport_config(spec: dict[str, Any]) -> Any:
 
 def run_d(spec: dict[str, Any]) -> dict[str, Any]:
     """D: listen, expect every transfer (each into blocks of its own), wait for them, check."""
+    from vllm_layerkv.counters import WorkerStats
     from vllm_layerkv.kv.blockio import block_io_for
-    from vllm_layerkv.metadata import RecvTask
-    from vllm_layerkv.stats import WorkerStats
+    from vllm_layerkv.tasks import RecvTask
     from vllm_layerkv.transport import create_transport
     from vllm_layerkv.worker.receiver import RecvTable
 
@@ -209,9 +209,9 @@ def run_p(spec: dict[str, Any], endpoint: str) -> dict[str, Any]:
     import torch
 
     from vllm_layerkv.common.trace import Tracer
+    from vllm_layerkv.counters import WorkerStats
     from vllm_layerkv.kv.blockio import block_io_for
-    from vllm_layerkv.metadata import Peer, SendTask
-    from vllm_layerkv.stats import WorkerStats
+    from vllm_layerkv.tasks import Peer, SendTask
     from vllm_layerkv.transport import create_transport
     from vllm_layerkv.wire.protocol import Hello
     from vllm_layerkv.worker.sender import (

@@ -1,9 +1,9 @@
 """Connector statistics: collected by workers, aggregated by vLLM, logged and exported.
 
-Workers fill a ``WorkerStats`` from several threads; each engine step the connector hands vLLM a
-``LayerKVStats`` snapshot (``get_kv_connector_stats``). vLLM sums them across workers, logs
-``reduce()`` periodically ("KV Transfer metrics: ...") and feeds ``LayerKVPromMetrics`` for
-``/metrics``.
+Workers fill a ``WorkerStats`` (``counters.py``) from several threads; each engine step the
+connector hands vLLM a ``LayerKVStats`` snapshot (``get_kv_connector_stats``). vLLM sums them
+across workers, logs ``reduce()`` periodically ("KV Transfer metrics: ...") and feeds
+``LayerKVPromMetrics`` for ``/metrics``.
 
 Exposed transfer time is the one number that matters for TTFT: from the end of the prefill's
 last forward step (its last layer ran) to the moment the last byte of that request was handed to
@@ -12,39 +12,28 @@ the transport. Layer-group streaming exists to make it small.
 
 from __future__ import annotations
 
-import threading
 from typing import TYPE_CHECKING, Any
 
 from vllm_layerkv.compat import KVConnectorPromMetrics, KVConnectorStats, create_metric_per_engine
+from vllm_layerkv.counters import LIST_KEYS, SUM_KEYS, empty_counts
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
 
-_LIST_KEYS = ("send_seconds", "exposed_seconds", "recv_seconds")
-_SUM_KEYS = ("bytes_sent", "bytes_received", "groups_sent", "transfers_sent",
-             "transfers_received", "transfers_failed", "remote_prefill_fallbacks")
-
-
-def _empty() -> dict[str, Any]:
-    # vLLM's KVConnectorStats.data: counters (int) and samples (list[float]) under one dict
-    data: dict[str, Any] = {k: 0 for k in _SUM_KEYS}
-    data.update({k: [] for k in _LIST_KEYS})
-    return data
-
 
 class LayerKVStats(KVConnectorStats):
     def __post_init__(self) -> None:
         if not self.data:
-            self.data = _empty()
+            self.data = empty_counts()
 
     def reset(self) -> None:
-        self.data = _empty()
+        self.data = empty_counts()
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        for k in _SUM_KEYS:
+        for k in SUM_KEYS:
             self.data[k] = self.data.get(k, 0) + other.data.get(k, 0)
-        for k in _LIST_KEYS:
+        for k in LIST_KEYS:
             self.data.setdefault(k, []).extend(other.data.get(k, []))
         return self
 
@@ -72,43 +61,7 @@ class LayerKVStats(KVConnectorStats):
         return out
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(k) for k in _SUM_KEYS)
-
-
-class WorkerStats:
-    """Thread-safe accumulator inside one worker."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._data = _empty()
-
-    def record_group(self, nbytes: int, seconds: float) -> None:
-        with self._lock:
-            self._data["bytes_sent"] += nbytes
-            self._data["groups_sent"] += 1
-            self._data["send_seconds"].append(seconds)
-
-    def record_sent(self, exposed_seconds: float | None) -> None:
-        with self._lock:
-            self._data["transfers_sent"] += 1
-            if exposed_seconds is not None:
-                self._data["exposed_seconds"].append(exposed_seconds)
-
-    def record_received(self, nbytes: int, seconds: float) -> None:
-        with self._lock:
-            self._data["bytes_received"] += nbytes
-            self._data["transfers_received"] += 1
-            self._data["recv_seconds"].append(seconds)
-
-    def record_failed(self) -> None:
-        with self._lock:
-            self._data["transfers_failed"] += 1
-
-    def take(self) -> LayerKVStats | None:
-        with self._lock:
-            data, self._data = self._data, _empty()
-        stats = LayerKVStats(data=data)
-        return None if stats.is_empty() else stats
+        return not any(self.data.get(k) for k in SUM_KEYS)
 
 
 class LayerKVPromMetrics(KVConnectorPromMetrics):

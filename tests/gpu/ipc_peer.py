@@ -19,10 +19,10 @@ import torch
 
 from vllm_layerkv.common.trace import Tracer
 from vllm_layerkv.config import LayerKVConfig
+from vllm_layerkv.counters import WorkerStats
 from vllm_layerkv.kv.blockio import StagedBlockIO
 from vllm_layerkv.kv.layout import KVLayout
-from vllm_layerkv.metadata import Peer, RecvTask, SendTask
-from vllm_layerkv.stats import WorkerStats
+from vllm_layerkv.tasks import Peer, RecvTask, SendTask
 from vllm_layerkv.transport import create_transport
 from vllm_layerkv.wire.protocol import CompatInfo, Hello
 from vllm_layerkv.worker.receiver import RecvTable

@@ -22,11 +22,11 @@ import torch
 
 from vllm_layerkv.common.trace import Tracer
 from vllm_layerkv.config import LayerKVConfig
+from vllm_layerkv.counters import WorkerStats
 from vllm_layerkv.kv import tp
 from vllm_layerkv.kv.blockio import block_io_for
 from vllm_layerkv.kv.layout import KVLayout
-from vllm_layerkv.metadata import Peer, RecvTask, SendTask
-from vllm_layerkv.stats import WorkerStats
+from vllm_layerkv.tasks import Peer, RecvTask, SendTask
 from vllm_layerkv.transport import create_transport
 from vllm_layerkv.wire.protocol import CompatInfo, Hello
 from vllm_layerkv.worker.receiver import RecvTable

@@ -33,8 +33,8 @@ from kv_sides import (
 )
 
 from vllm_layerkv.config import LayerKVConfig
-from vllm_layerkv.metadata import RecvTask
 from vllm_layerkv.scheduler.registrar import RegistrationClient, RegistrationServer
+from vllm_layerkv.tasks import RecvTask
 from vllm_layerkv.wire import framing
 from vllm_layerkv.wire.admission import ListenerLimits
 from vllm_layerkv.wire.auth import (

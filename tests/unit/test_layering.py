@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -131,6 +133,21 @@ def test_no_import_cycles() -> None:
 def test_layer_imports_only_what_it_may(part: str, forbidden: list[str]) -> None:
     bad = violations(GRAPH, part, forbidden)
     assert not bad, f"vllm_layerkv/{part} must not import {forbidden}:\n" + "\n".join(bad)
+
+
+def test_the_worker_threads_load_without_vllm() -> None:
+    """The sender and receiver threads, their work orders and counters load without vLLM
+    (which takes seconds of CPU to import): the link probe and the multi-process transfer tests
+    run them in processes of their own. Checked at run time, in a fresh interpreter: lazy
+    imports inside functions that only vLLM's side calls do not count."""
+    modules = ["vllm_layerkv.worker.sender", "vllm_layerkv.worker.receiver",
+               "vllm_layerkv.tasks", "vllm_layerkv.counters", "vllm_layerkv.transport"]
+    code = ("import sys\n" + "".join(f"import {m}\n" for m in modules)
+            + "print(sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout[-2000:]
 
 
 def test_every_part_is_checked() -> None:

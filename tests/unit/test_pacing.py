@@ -12,7 +12,7 @@ import pytest
 
 from kv_sides import assert_copied, push, start_d, start_p, task
 from vllm_layerkv.config import ConfigError, LayerKVConfig
-from vllm_layerkv.metadata import RecvTask
+from vllm_layerkv.tasks import RecvTask
 from vllm_layerkv.transport.pacing import MAX_BURST_BYTES, MIN_BURST_BYTES, TokenBucket, pacer_for
 
 

@@ -8,8 +8,8 @@ import time
 
 from kv_sides import compat
 
-from vllm_layerkv.metadata import RecvTask
-from vllm_layerkv.stats import WorkerStats
+from vllm_layerkv.counters import WorkerStats
+from vllm_layerkv.tasks import RecvTask
 from vllm_layerkv.worker.receiver import RecvTable
 
 

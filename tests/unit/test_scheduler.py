@@ -27,8 +27,8 @@ from vllm_objects import (
     salt,
 )
 
-from vllm_layerkv.metadata import Peer, RecvTask, SendTask
 from vllm_layerkv.scheduler.registrar import RegistrationServer
+from vllm_layerkv.tasks import Peer, RecvTask, SendTask
 from vllm_layerkv.wire.protocol import Cancel, Register, RegisterAck
 
 P_EXTRA = {"min_prompt_tokens": 32, "registration_wait_s": 5.0, "group_size": 3}

@@ -25,11 +25,11 @@ from kv_sides import SENTINEL, TIMEOUT, compat
 
 from vllm_layerkv.common.trace import Tracer
 from vllm_layerkv.config import LayerKVConfig
+from vllm_layerkv.counters import WorkerStats
 from vllm_layerkv.kv import tp
 from vllm_layerkv.kv.blockio import HostBlockIO
 from vllm_layerkv.kv.layout import KVLayout
-from vllm_layerkv.metadata import Peer, SendTask
-from vllm_layerkv.stats import WorkerStats
+from vllm_layerkv.tasks import Peer, SendTask
 from vllm_layerkv.transport import create_transport
 from vllm_layerkv.wire.protocol import Hello
 from vllm_layerkv.worker.receiver import RecvTable
@@ -128,7 +128,7 @@ class Cluster:
                          data_endpoints=[d.endpoint for d in self.d])
 
     def expect(self, tid: str, dst: list[int]) -> None:
-        from vllm_layerkv.metadata import RecvTask
+        from vllm_layerkv.tasks import RecvTask
 
         for d in self.d:
             d.table.expect(RecvTask(req_id=f"req-{tid}", transfer_id=tid, block_ids=dst))

@@ -44,7 +44,7 @@ from kv_sides import (
 
 from vllm_layerkv.config import LayerKVConfig
 from vllm_layerkv.kv.blockio import block_runs
-from vllm_layerkv.metadata import Peer, RecvTask, SendTask
+from vllm_layerkv.tasks import Peer, RecvTask, SendTask
 from vllm_layerkv.testing import faults
 from vllm_layerkv.transport.direct import AddressedPeer, DirectWriteFailed
 from vllm_layerkv.transport.nixl import MAX_COALESCED_RUNS

@@ -36,10 +36,10 @@ from kv_sides import (
 )
 
 from vllm_layerkv.common.trace import Tracer
+from vllm_layerkv.counters import WorkerStats
 from vllm_layerkv.kv.blockio import HostBlockIO
 from vllm_layerkv.kv.layout import KVLayout
-from vllm_layerkv.metadata import RecvTask
-from vllm_layerkv.stats import WorkerStats
+from vllm_layerkv.tasks import RecvTask
 from vllm_layerkv.transport import create_transport
 from vllm_layerkv.transport.base import TransportError
 from vllm_layerkv.transport.cuda_ipc import MAX_RUN_COPIES, CudaIpcPlane, copy_blocks

@@ -121,7 +121,7 @@ def test_prefill_bouncing_to_a_decode_without_the_host_ring_writes_directly(capl
     memory directly; nothing is lost."""
     from kv_sides import assert_copied, push, start_d, start_p, task
 
-    from vllm_layerkv.metadata import RecvTask
+    from vllm_layerkv.tasks import RecvTask
 
     d = start_d(transport="nixl")
     p = start_p("nixl+bounce")

@@ -24,7 +24,7 @@ from kv_sides import (
 
 from vllm_layerkv.kv.blockio import HostBlockIO
 from vllm_layerkv.kv.layout import KVLayout
-from vllm_layerkv.metadata import RecvTask
+from vllm_layerkv.tasks import RecvTask
 from vllm_layerkv.transport.base import TransportError
 from vllm_layerkv.transport.tcp import TcpTransport
 from vllm_layerkv.wire import framing

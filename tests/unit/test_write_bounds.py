@@ -36,7 +36,7 @@ from vllm_layerkv.kv.blockio import HostBlockIO
 from vllm_layerkv.kv.bounds import BoundsError
 from vllm_layerkv.kv.layout import KVLayout
 from vllm_layerkv.kv.staging import RecvRing, StagingError, gather, scatter
-from vllm_layerkv.metadata import RecvTask
+from vllm_layerkv.tasks import RecvTask
 from vllm_layerkv.transport.cuda_ipc import copy_blocks
 from vllm_layerkv.transport.direct import AddressedPlane, DirectWriteFailed, host_id
 from vllm_layerkv.transport.mooncake import MooncakePlane

@@ -31,9 +31,10 @@ from vllm_layerkv.common.trace import Tracer
 from vllm_layerkv.compat import append_prompt_token, scheduled_req_ids
 from vllm_layerkv.config import LayerKVConfig
 from vllm_layerkv.kv.groups import NULL_BLOCK
-from vllm_layerkv.metadata import LayerKVMetadata, RecvClose, RecvTask
+from vllm_layerkv.metadata import LayerKVMetadata
 from vllm_layerkv.scheduler.registrar import RegistrationClient
 from vllm_layerkv.scheduler.request_params import DecodeParams, PrefillAddress
+from vllm_layerkv.tasks import RecvClose, RecvTask
 from vllm_layerkv.wire.auth import ChannelAuth
 from vllm_layerkv.wire.protocol import Cancel, CompatInfo, FirstToken, Refused, Register
 

@@ -35,10 +35,11 @@ from vllm_layerkv.kv.groups import (
     KVGroupInfo,
     select_blocks,
 )
-from vllm_layerkv.metadata import LayerKVMetadata, Peer, SendTask
+from vllm_layerkv.metadata import LayerKVMetadata
 from vllm_layerkv.scheduler.bootstrap import BootstrapError, BootstrapServer, register_with
 from vllm_layerkv.scheduler.registrar import RegistrationServer
 from vllm_layerkv.scheduler.request_params import PrefillParams
+from vllm_layerkv.tasks import Peer, SendTask
 from vllm_layerkv.wire.admission import ListenerLimits
 from vllm_layerkv.wire.auth import ChannelAuth
 from vllm_layerkv.wire.protocol import (

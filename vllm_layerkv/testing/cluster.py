@@ -269,7 +269,9 @@ class PDCluster:
                            ) -> tuple[dict[str, Any], tuple[int, Any]]:
         """What the proxy does, with the caller's transfer_id: D and P at once, greedy.
         ``on_streaming()`` is called once P's trace shows the transfer's first chunk planned
-        (P is streaming). ``decode_kv`` / ``prefill_kv``: D's and P's kv_transfer_params
+        (P is streaming); P's request is then sent only after P holds D's registration, since
+        a registration later than P's ``registration_wait_s`` lets P finish the prompt before
+        it streams anything. ``decode_kv`` / ``prefill_kv``: D's and P's kv_transfer_params
         instead of the proxy's (e.g. :meth:`mooncake_params`). Returns D's outcome
         ({"status", "data", "elapsed"}) and P's (status, body); a request that could not be
         answered has status 0."""
@@ -291,6 +293,10 @@ class PDCluster:
                 result["data"] = repr(e)
             result["elapsed"] = time.monotonic() - t
 
+        def registered() -> bool:
+            return any(e["ev"] == "reg_arrived" and e.get("transfer_id") == transfer_id
+                       for e in self.trace_events("psched"))
+
         def streaming() -> bool:
             return any(e["ev"] == "step_plan" and transfer_id in e.get("transfer_ids", [])
                        for e in self.trace_events())
@@ -299,11 +305,22 @@ class PDCluster:
         th.start()
         watcher = None
         if on_streaming is not None:
+            deadline = time.monotonic() + 60
+            while not registered():
+                if time.monotonic() > deadline or not th.is_alive():
+                    th.join(120)
+                    raise AssertionError(f"P never received D's registration of transfer "
+                                         f"{transfer_id}; D answered {result}")
+                time.sleep(0.05)
+
             def watch() -> None:
                 deadline = time.monotonic() + 60
-                while time.monotonic() < deadline and not streaming():
+                while time.monotonic() < deadline:
+                    if streaming():
+                        on_streaming()
+                        return
                     time.sleep(0.05)
-                on_streaming()
+                result["on_streaming"] = "P's trace never showed the transfer streaming"
             watcher = threading.Thread(target=watch)
             watcher.start()
         try:
@@ -319,7 +336,8 @@ class PDCluster:
 
     def trace_events(self, role: str = "p", rank: int = 0) -> list[dict[str, Any]]:
         """The trace of one worker: ``role`` "p" or "d" (D traces only if its
-        ``decode_extra`` sets ``trace_path``), ``rank`` its TP rank."""
+        ``decode_extra`` sets ``trace_path``), ``rank`` its TP rank; "psched" is P's
+        scheduler (rank 0)."""
         path = Path(f"{self.trace_path}.{role}.{rank}")
         if not path.exists():
             return []

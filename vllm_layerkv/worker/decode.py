@@ -11,9 +11,9 @@ import time
 
 from vllm_layerkv.common.trace import Tracer
 from vllm_layerkv.config import LayerKVConfig
+from vllm_layerkv.counters import WorkerStats
 from vllm_layerkv.kv.blockio import BlockIO
 from vllm_layerkv.metadata import LayerKVMetadata
-from vllm_layerkv.stats import WorkerStats
 from vllm_layerkv.transport.base import Transport
 from vllm_layerkv.wire.protocol import CompatInfo
 from vllm_layerkv.worker.receiver import RecvTable

@@ -27,9 +27,10 @@ from typing import TYPE_CHECKING
 from vllm_layerkv.common.log import init_logger
 from vllm_layerkv.common.trace import Tracer
 from vllm_layerkv.config import LayerKVConfig
+from vllm_layerkv.counters import WorkerStats
 from vllm_layerkv.kv.layout import KVLayout
-from vllm_layerkv.metadata import LayerKVMetadata, SendTask
-from vllm_layerkv.stats import WorkerStats
+from vllm_layerkv.metadata import LayerKVMetadata
+from vllm_layerkv.tasks import SendTask
 from vllm_layerkv.worker.grouping import plan_group_size, split_layers
 from vllm_layerkv.worker.sender import AbortTransfer, FinishTransfer, GroupSend, Sender
 

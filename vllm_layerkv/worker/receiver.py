@@ -42,9 +42,9 @@ from dataclasses import dataclass, field
 
 from vllm_layerkv.common.log import RateLimitedWarning, init_logger
 from vllm_layerkv.common.trace import Tracer
+from vllm_layerkv.counters import WorkerStats
 from vllm_layerkv.kv import tp
-from vllm_layerkv.metadata import RecvTask
-from vllm_layerkv.stats import WorkerStats
+from vllm_layerkv.tasks import RecvTask
 from vllm_layerkv.transport.base import Source
 from vllm_layerkv.wire.protocol import CompatInfo, Hello, TransferAck
 from vllm_layerkv.wire.refusals import mismatch_refusal

@@ -33,10 +33,10 @@ from vllm_layerkv.common.log import init_logger
 from vllm_layerkv.common.threads import start_thread
 from vllm_layerkv.common.trace import Tracer
 from vllm_layerkv.config import LayerKVConfig
+from vllm_layerkv.counters import WorkerStats
 from vllm_layerkv.kv import fused_copy, staging, tp
 from vllm_layerkv.kv.blockio import BlockIO
-from vllm_layerkv.metadata import Peer, SendTask
-from vllm_layerkv.stats import WorkerStats
+from vllm_layerkv.tasks import Peer, SendTask
 from vllm_layerkv.transport.base import (
     PendingWrite,
     SendChannel,

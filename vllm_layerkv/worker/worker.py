@@ -16,10 +16,11 @@ from vllm_layerkv.common.log import init_logger
 from vllm_layerkv.common.trace import Tracer
 from vllm_layerkv.compat import device_type, kv_groups, tp_rank_and_size
 from vllm_layerkv.config import LayerKVConfig
+from vllm_layerkv.counters import WorkerStats
 from vllm_layerkv.kv.blockio import block_io_for
 from vllm_layerkv.kv.layout import KVLayout, LayoutError, compat_info
 from vllm_layerkv.metadata import LayerKVHandshake, LayerKVMetadata
-from vllm_layerkv.stats import LayerKVStats, WorkerStats
+from vllm_layerkv.stats import LayerKVStats
 from vllm_layerkv.transport import Transport, create_transport
 from vllm_layerkv.wire.protocol import Hello
 from vllm_layerkv.worker.decode import DecodeWorker, early_release_applies
@@ -172,7 +173,8 @@ class LayerKVWorker:
         return self._decode.failed_blocks(request_failures)
 
     def stats(self) -> LayerKVStats | None:
-        return self._stats.take()
+        counts = self._stats.take()
+        return LayerKVStats(data=counts.data) if counts is not None else None
 
     def shutdown(self) -> None:
         if self._sender is not None:
