@@ -20,11 +20,24 @@ def empty_counts() -> dict[str, Any]:
     return data
 
 
+def add_counts(into: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
+    """Add ``other``'s counters and samples to ``into`` (vLLM sums the workers' stats so)."""
+    for k in SUM_KEYS:
+        into[k] = into.get(k, 0) + other.get(k, 0)
+    for k in LIST_KEYS:
+        into.setdefault(k, []).extend(other.get(k, []))
+    return into
+
+
 @dataclass
 class Counts:
     """What a worker counted since the last ``take`` (``data``: as vLLM's stats carry it)."""
 
     data: dict[str, Any]
+
+    def aggregate(self, other: Counts) -> Counts:
+        add_counts(self.data, other.data)
+        return self
 
 
 class WorkerStats:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from vllm_layerkv.compat import KVConnectorPromMetrics, KVConnectorStats, create_metric_per_engine
-from vllm_layerkv.counters import LIST_KEYS, SUM_KEYS, empty_counts
+from vllm_layerkv.counters import SUM_KEYS, add_counts, empty_counts
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -31,10 +31,7 @@ class LayerKVStats(KVConnectorStats):
         self.data = empty_counts()
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        for k in SUM_KEYS:
-            self.data[k] = self.data.get(k, 0) + other.data.get(k, 0)
-        for k in LIST_KEYS:
-            self.data.setdefault(k, []).extend(other.data.get(k, []))
+        add_counts(self.data, other.data)
         return self
 
     def reduce(self) -> dict[str, int | float]:
