@@ -20,6 +20,11 @@ def empty_counts() -> dict[str, Any]:
     return data
 
 
+def nothing_counted(data: dict[str, Any]) -> bool:
+    """No counter moved (the samples go with the counters they belong to)."""
+    return not any(data.get(k) for k in SUM_KEYS)
+
+
 def add_counts(into: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
     """Add ``other``'s counters and samples to ``into`` (vLLM sums the workers' stats so)."""
     for k in SUM_KEYS:
@@ -73,4 +78,4 @@ class WorkerStats:
         """The counts since the last call, or None if nothing was counted."""
         with self._lock:
             data, self._data = self._data, empty_counts()
-        return Counts(data) if any(data.get(k) for k in SUM_KEYS) else None
+        return None if nothing_counted(data) else Counts(data)

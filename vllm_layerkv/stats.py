@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from vllm_layerkv.compat import KVConnectorPromMetrics, KVConnectorStats, create_metric_per_engine
-from vllm_layerkv.counters import SUM_KEYS, add_counts, empty_counts
+from vllm_layerkv.counters import add_counts, empty_counts, nothing_counted
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -58,7 +58,7 @@ class LayerKVStats(KVConnectorStats):
         return out
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(k) for k in SUM_KEYS)
+        return nothing_counted(self.data)
 
 
 class LayerKVPromMetrics(KVConnectorPromMetrics):
