@@ -78,12 +78,18 @@ if [ -n "${PYSPY:-}" ] && [ ${#configs[@]} -gt 0 ]; then
 fi
 if [ ${#configs[@]} -gt 0 ]; then
   limit=(); [ -n "${BENCH_TIMEOUT:-}" ] && limit=(timeout -k 30 "$BENCH_TIMEOUT")
+  # CUDA_VISIBLE_DEVICES=2,3 runs the benchmark on those GPUs alone (its GPU 0 is the host's 2)
+  if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
+    num_gpus=$(tr ',' '\n' <<<"$CUDA_VISIBLE_DEVICES" | grep -c .)
+  else
+    num_gpus=$(nvidia-smi -L | wc -l)
+  fi
   flags=()
   [ -n "${VLLM_ARGS:-}" ] && flags+=("--vllm-args=$VLLM_ARGS")
   [ -n "${TP_VLLM_ARGS:-}" ] && flags+=("--tp-vllm-args=$TP_VLLM_ARGS")
   cmd=(python3 benchmarks/ttft_bench.py --device cuda --model "$MODEL" --load-format dummy
     --configs "${configs[@]}" --out "$OUT/$RUN" --identity-ref "$BENCH/identity_single.json"
-    --num-gpus "$(nvidia-smi -L | wc -l)" "${flags[@]}" "$@")
+    --num-gpus "$num_gpus" "${flags[@]}" "$@")
   printf '%q ' "${limit[@]}" "${cmd[@]}" > "$OUT/$RUN/command.txt"; echo >> "$OUT/$RUN/command.txt"
   "${limit[@]}" "${cmd[@]}" > "$OUT/$RUN/bench.log" 2>&1
   echo "ttft_bench exit $?"

@@ -15,6 +15,8 @@ link); ``benchmarks/plot_results.py`` and ``benchmarks/plot_link_rates.py`` draw
 
 Configurations (``--configs``):
   single       one instance (GPU 0 / CPU cores 0-1)
+  single-tpN   one instance of --tensor-parallel-size N (GPUs 0..N-1): the greedy reference
+               for P/D configurations whose D runs TP N
   single-xN    N single instances (GPU i each; on CPU core i % 2) behind vllm-router's regular
                mode with --policy round_robin (the aggregated baseline: e.g. single-x2 on the
                two GPUs a P/D pair uses)
@@ -76,6 +78,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import secrets
 import shlex
@@ -140,6 +143,7 @@ class Config:
 
 
 _AGGREGATED = re.compile(r"^single-x(?P<n>\d+)$")
+_SINGLE_TP = re.compile(r"^single-tp(?P<n>\d+)$")
 _SUFFIXES = re.compile(r"^(?P<family>.+?)(?:-(?P<gbps>\d+(?:\.\d+)?)g)?(?:-(?P<np>\d+)p)?"
                        r"(?:-tp(?P<p>\d+)-tp(?P<d>\d+))?(?P<unstaged>-unstaged)?$")
 
@@ -149,6 +153,10 @@ def parse_config(name: str) -> Config:
         if int(m["n"]) < 2:
             raise SystemExit(f"{name!r}: single-xN takes N >= 2 instances (one is 'single')")
         return Config(name, "aggregated", instances=int(m["n"]))
+    if m := _SINGLE_TP.match(name):
+        if int(m["n"]) < 1:
+            raise SystemExit(f"{name!r}: a single instance of TP {m['n']}; use TP 1 or more")
+        return Config(name, "single", p_tp=int(m["n"]), d_tp=int(m["n"]))
     m = _SUFFIXES.match(name)
     family = m["family"] if m else name
     suffixed = bool(m and (m["gbps"] or m["np"] or m["p"] or m["unstaged"]))
@@ -197,8 +205,11 @@ class Instance:
 
     @property
     def visible(self) -> str:
-        """Its CUDA_VISIBLE_DEVICES."""
-        return ",".join(str(g) for g in self.gpus)
+        """Its CUDA_VISIBLE_DEVICES. The benchmark's GPU numbers count the GPUs the benchmark
+        itself may use: with CUDA_VISIBLE_DEVICES=2,3 around it, its GPU 0 is the host's GPU 2,
+        so two runs can share a host on GPUs of their own."""
+        outer = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+        return ",".join(outer[g] if outer else str(g) for g in self.gpus)
 
 
 def layout(config: Config, num_gpus: int, decode_first_gpu: int | None = None
@@ -209,7 +220,10 @@ def layout(config: Config, num_gpus: int, decode_first_gpu: int | None = None
     or the last D GPUs when there are not enough. Raises SystemExit for a placement the
     machine cannot hold."""
     if config.family == "single":
-        return [Instance("single", 0, 1, (0,))]
+        if config.p_tp > num_gpus:
+            raise SystemExit(f"{config.name}: TP {config.p_tp} needs {config.p_tp} GPUs; "
+                             f"--num-gpus is {num_gpus}")
+        return [Instance("single", 0, config.p_tp, tuple(range(config.p_tp)))]
     if config.family == "aggregated":
         if config.instances > num_gpus:
             raise SystemExit(f"{config.name}: {config.instances} instances need "
@@ -745,18 +759,34 @@ def summarize(result: dict[str, Any], join_token: int = 0) -> dict[str, Any]:
 
 
 class IdentityCheck:
-    """Greedy token identity: the single instance against itself, then every P/D configuration
-    against the single instance's ids (kept in ``ref_path`` for runs without ``single``)."""
+    """Greedy token identity: each single instance against itself, then every P/D configuration
+    against a single instance of D's TP (``single-tpN``) where the run has one, else against
+    the TP1 ``single``: a TP2 decode sums its all-reduces in another order than one GPU, so
+    only a reference of its own TP can match it token for token. References are kept beside
+    ``ref_path`` (``identity_single.json``, ``identity_single-tp2.json``, ...) for runs
+    without their single instance."""
 
     def __init__(self, n: int, args: argparse.Namespace, ref_path: Path) -> None:
         self.prompts = identity_prompts(n, args.model, args.max_model_len) if n else []
         self.results: dict[str, int] = {"prompts": len(self.prompts)} if self.prompts else {}
         self.ref_path = ref_path
-        self.reference: list[list[int]] | None = None
-        if self.prompts and "single" not in args.configs and ref_path.exists():
-            stored = json.loads(ref_path.read_text())
-            if stored["prompts"] == self.prompts:  # same seed, same model vocabulary
-                self.reference = stored["ids"]
+        self.references: dict[int, list[list[int]]] = {}
+        """The reference ids by the single instance's TP."""
+        for tp in range(1, 9):
+            path = self.path_of(tp)
+            if self.prompts and self.single_name(tp) not in args.configs and path.exists():
+                stored = json.loads(path.read_text())
+                if stored["prompts"] == self.prompts:  # same seed, same model vocabulary
+                    self.references[tp] = stored["ids"]
+
+    @staticmethod
+    def single_name(tp: int) -> str:
+        return "single" if tp == 1 else f"single-tp{tp}"
+
+    def path_of(self, tp: int) -> Path:
+        if tp == 1:
+            return self.ref_path
+        return self.ref_path.with_name(f"{self.ref_path.stem}-tp{tp}{self.ref_path.suffix}")
 
     def check(self, config: Config, url: str) -> bool:
         """Records how many prompts match; False if a P/D configuration differs."""
@@ -765,15 +795,18 @@ class IdentityCheck:
         ids = greedy_ids(url, self.prompts, 16)
         if config.family == "single":
             again = greedy_ids(url, self.prompts, 16)
-            self.results["single_vs_single"] = sum(a == b for a, b in zip(ids, again))
-            self.reference = ids
-            self.ref_path.parent.mkdir(parents=True, exist_ok=True)
-            self.ref_path.write_text(json.dumps({"prompts": self.prompts, "ids": ids}))
+            self.results[f"{config.name}_vs_{config.name}"] = sum(
+                a == b for a, b in zip(ids, again))
+            self.references[config.p_tp] = ids
+            path = self.path_of(config.p_tp)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"prompts": self.prompts, "ids": ids}))
             return True
-        if self.reference is None:
+        tp = config.d_tp if config.d_tp in self.references else 1
+        if tp not in self.references:
             return True  # no reference to compare with (said in the summary: no entry)
-        same = sum(a == b for a, b in zip(ids, self.reference))
-        self.results[f"{config.name}_vs_single"] = same
+        same = sum(a == b for a, b in zip(ids, self.references[tp]))
+        self.results[f"{config.name}_vs_{self.single_name(tp)}"] = same
         return same == len(self.prompts)
 
 

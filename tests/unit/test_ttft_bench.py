@@ -665,6 +665,56 @@ def test_gpu_placement_reaches_each_server(tmp_path) -> None:
         ("prefill", "0", False), ("decode", "2,3", False)]
 
 
+def test_a_single_instance_of_tp_n_runs_on_the_first_n_gpus(tmp_path) -> None:
+    single_tp2 = ttft_bench.parse_config("single-tp2")
+    assert (single_tp2.family, single_tp2.p_tp, single_tp2.pd) == ("single", 2, False)
+    assert gpus_of("single-tp2") == [("single", "0,1", False)]
+    with pytest.raises(SystemExit, match="TP 4 needs 4 GPUs"):
+        ttft_bench.layout(ttft_bench.parse_config("single-tp4"), 2)
+    args = deploy_args(device="cuda", num_gpus=4, dtype="bfloat16")
+    (server,) = ttft_bench.deploy(single_tp2, args, tmp_path).servers
+    cmd = server.command()
+    assert cmd[cmd.index("--tensor-parallel-size") + 1] == "2"
+
+
+def test_the_benchmark_s_gpus_are_those_visible_to_it(monkeypatch) -> None:
+    """Two runs share a four-GPU host: the one started with CUDA_VISIBLE_DEVICES=2,3 places its
+    GPU 0 on the host's GPU 2."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert gpus_of("layerkv", 2, None) == [("prefill", "2", False), ("decode", "3", False)]
+    assert gpus_of("single-x2", 2, None) == [("single", "2", False), ("single-1", "3", False)]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert gpus_of("layerkv", 2, None) == [("prefill", "0", False), ("decode", "1", False)]
+
+
+def test_each_decode_is_compared_with_a_single_instance_of_its_own_tp(
+        tmp_path, monkeypatch) -> None:
+    """A TP2 decode sums in another order than one GPU: with single-tp2 in the run, the D TP2
+    configurations are compared with it and the D TP1 ones with single; the references stay
+    on disk for a later run without those single instances."""
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"vocab_size": 1000}))
+    answers: dict[str, list[list[int]]] = {}
+    monkeypatch.setattr(ttft_bench, "greedy_ids", lambda url, prompts, n: answers[url])
+    names = ["single", "single-tp2", "layerkv-tp2-tp1", "layerkv-tp1-tp2"]
+    args = argparse.Namespace(model=str(model), max_model_len=4096, configs=names)
+    ref = tmp_path / "identity_single.json"
+    check = ttft_bench.IdentityCheck(2, args, ref)
+    answers.update({"single": [[1], [2]], "single-tp2": [[1], [3]],
+                    "layerkv-tp2-tp1": [[1], [2]], "layerkv-tp1-tp2": [[1], [3]]})
+    assert all(check.check(ttft_bench.parse_config(n), n) for n in names)
+    assert check.results == {"prompts": 2, "single_vs_single": 2, "single-tp2_vs_single-tp2": 2,
+                             "layerkv-tp2-tp1_vs_single": 2, "layerkv-tp1-tp2_vs_single-tp2": 2}
+    assert ref.exists() and (tmp_path / "identity_single-tp2.json").exists()
+    later = ttft_bench.IdentityCheck(
+        2, argparse.Namespace(model=str(model), max_model_len=4096, configs=["layerkv-tp2-tp2"]),
+        ref)
+    answers["layerkv-tp2-tp2"] = [[1], [2]]  # matches the TP1 reference, not TP2's
+    assert not later.check(ttft_bench.parse_config("layerkv-tp2-tp2"), "layerkv-tp2-tp2")
+    assert later.results["layerkv-tp2-tp2_vs_single-tp2"] == 1
+
+
 def test_an_open_loop_point_has_a_rate_and_no_concurrency_cap(tmp_path) -> None:
     calls = []
 
