@@ -286,7 +286,9 @@ def test_the_four_gpu_sweep_places_d_on_gpus_2_and_3(tmp_path: Path, model: Path
         assert "TP_VLLM_ARGS=--disable-custom-all-reduce" in cmd
         assert cmd[cmd.index("--decode-first-gpu") + 1] == "2"
     tp, scale = runs
-    assert tp[1][:4] == ["single", "layerkv-tp2-tp1", "layerkv-tp1-tp2", "layerkv-tp2-tp2"]
+    # the references first: single for the TP1 decodes, single-tp2 for the TP2 ones
+    assert tp[1][:5] == ["single", "single-tp2", "layerkv-tp2-tp1", "layerkv-tp1-tp2",
+                         "layerkv-tp2-tp2"]
     assert {"nixl-tp2-tp1", "nixl-tp1-tp2", "nixl-tp2-tp2", "layerkv-tp4-tp2"} <= set(tp[1])
     assert scale[1] == ["single", "layerkv-2p-tp1-tp2", "layerkv-tp1-tp2", "single-x4",
                         "layerkv-router-2p-tp1-tp2", "layerkv-router-tp1-tp2"]
