@@ -423,7 +423,9 @@ def test_decode_killed_mid_request_behind_router(cluster: PDCluster, spare: PDCl
     router = cluster.start_router("mooncake", decodes=[spare.decode.url])
     log_offset = cluster.prefill.log_path.stat().st_size
     try:
-        body = completion_body(make_prompt(2300, seed=7601))
+        # ~1,550 tokens (7 chunks of 256): P is still prefilling when D is killed, and
+        # then waits out the rest of the prompt and registration_timeout_s
+        body = completion_body(make_prompt(1200, seed=7601))
         th, out = run_in_thread(lambda: post_json(router.url + "/v1/completions", body,
                                                   timeout=120))
         wait_for(lambda: running(cluster.prefill), 60, "P runs the request")

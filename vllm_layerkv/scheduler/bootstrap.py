@@ -43,6 +43,8 @@ from vllm_layerkv.wire.auth import AuthError, ChannelAuth, RequestVerifier, sign
 logger = init_logger(__name__)
 MAX_BODY_BYTES = 4096
 """A ``/register`` body is one small JSON object."""
+SHUTDOWN_POLL_S = 0.05
+"""How often the serving loop checks whether close() asked it to stop."""
 REGISTER_RETRY_S = 60.0
 """How long a data-parallel rank keeps trying to register with rank 0's endpoint (rank 0's
 engine core may start after it)."""
@@ -110,7 +112,11 @@ class BootstrapServer:
                 "kv_connector_extra_config.bootstrap_port to a free port (or 0 to turn the "
                 "endpoint off when no router reads it)") from None
         self.port = self._http.server_address[1]
-        start_thread(self._http.serve_forever, "layerkv-bootstrap")
+        # close() waits for the serving loop to see the stop flag, which it checks once per
+        # poll interval (socketserver's default 0.5 s): a shorter one keeps an engine's
+        # shutdown from waiting on it
+        start_thread(lambda: self._http.serve_forever(poll_interval=SHUTDOWN_POLL_S),
+                     "layerkv-bootstrap")
         logger.info("LayerKV bootstrap endpoint http://%s:%d/query (engine %s)", host,
                     self.port, engine_id)
 
