@@ -30,6 +30,7 @@ one).
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -42,13 +43,16 @@ VERSION = "0.1.17"
 
 
 def router_command() -> str:
-    """The ``vllm-router`` command of this interpreter's environment. Raises if it is not
-    installed there (``bash scripts/setup.sh`` installs it)."""
+    """The ``vllm-router`` command of this interpreter's environment, else the first on PATH
+    (an install elsewhere, e.g. ``pip install --target`` on a GPU host, with its ``bin`` on
+    PATH). Raises if neither has one (``bash scripts/setup.sh`` installs it)."""
     path = Path(sys.executable).parent / "vllm-router"
-    if not os.access(path, os.X_OK):
-        raise ServerError(f"{path} not found: install the test extra (pip install "
-                          f"vllm-router=={VERSION}, or bash scripts/setup.sh)")
-    return str(path)
+    if os.access(path, os.X_OK):
+        return str(path)
+    if found := shutil.which("vllm-router"):
+        return found
+    raise ServerError(f"vllm-router is neither at {path} nor on PATH: install the test extra "
+                      f"(pip install vllm-router=={VERSION}, or bash scripts/setup.sh)")
 
 
 def router_args(prefills: Sequence[tuple[str, int | None]], decodes: Sequence[str], *,
