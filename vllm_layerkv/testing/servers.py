@@ -71,11 +71,6 @@ BASE_ENV: dict[str, str] = {
     "VLLM_TARGET_DEVICE": "cpu",
 }
 
-SERVER_SITE = str(Path(__file__).resolve().parent / "server_site")
-"""On a CPU server's PYTHONPATH first: its ``sitecustomize`` hides the packages only the test
-tooling brings (lm-eval's scikit-learn, SciPy, pandas), which transformers would otherwise
-import in each of the server's three processes."""
-
 
 class ServerError(RuntimeError):
     """A server died during start-up or did not become healthy in time."""
@@ -429,10 +424,7 @@ class VllmServer:
         # Let a source checkout's package import in the server processes even when it is not
         # installed (e.g. kv_connector_module_path="vllm_layerkv...."); harmless otherwise.
         pkg_parent = str(Path(__file__).resolve().parent.parent.parent)
-        # On CPU the test tooling's packages are hidden from the server (server_site/)
-        site = [SERVER_SITE] if self.gpus is None else []
-        env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (*site, pkg_parent, env.get("PYTHONPATH", "")) if p)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_parent, env.get("PYTHONPATH", "")) if p)
         env.update(self.extra_env)
         return env
 
