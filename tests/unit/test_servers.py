@@ -110,4 +110,3 @@ def test_free_port_never_hands_out_a_port_twice() -> None:
 
     ports = [free_port() for _ in range(300)]
     assert len(set(ports)) == len(ports)
-
