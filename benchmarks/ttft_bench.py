@@ -209,6 +209,10 @@ class Instance:
         itself may use: with CUDA_VISIBLE_DEVICES=2,3 around it, its GPU 0 is the host's GPU 2,
         so two runs can share a host on GPUs of their own."""
         outer = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+        if outer and max(self.gpus) >= len(outer):
+            raise SystemExit(f"the {self.label} instance needs GPU {max(self.gpus)} of the "
+                             f"benchmark's, but CUDA_VISIBLE_DEVICES={','.join(outer)} lists "
+                             f"{len(outer)}: list more GPUs there or lower --num-gpus")
         return ",".join(outer[g] if outer else str(g) for g in self.gpus)
 
 
@@ -772,9 +776,11 @@ class IdentityCheck:
         self.ref_path = ref_path
         self.references: dict[int, list[list[int]]] = {}
         """The reference ids by the single instance's TP."""
-        for tp in range(1, 9):
+        # a reference per TP the run's decodes use, from an earlier run where this one lacks it
+        decode_tps = {1} | {parse_config(name).d_tp for name in args.configs} if n else set()
+        for tp in sorted(decode_tps):
             path = self.path_of(tp)
-            if self.prompts and self.single_name(tp) not in args.configs and path.exists():
+            if self.single_name(tp) not in args.configs and path.exists():
                 stored = json.loads(path.read_text())
                 if stored["prompts"] == self.prompts:  # same seed, same model vocabulary
                     self.references[tp] = stored["ids"]

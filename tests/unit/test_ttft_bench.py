@@ -683,6 +683,8 @@ def test_the_benchmark_s_gpus_are_those_visible_to_it(monkeypatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
     assert gpus_of("layerkv", 2, None) == [("prefill", "2", False), ("decode", "3", False)]
     assert gpus_of("single-x2", 2, None) == [("single", "2", False), ("single-1", "3", False)]
+    with pytest.raises(SystemExit, match="CUDA_VISIBLE_DEVICES=2,3 lists 2"):
+        gpus_of("layerkv-tp2-tp2", 4, 2)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert gpus_of("layerkv", 2, None) == [("prefill", "0", False), ("decode", "1", False)]
 
