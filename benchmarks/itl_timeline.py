@@ -29,7 +29,7 @@ is normally 0; on the 2-core CI machine it is not, so a gap there is not always 
 
 Usage:
     python benchmarks/itl_timeline.py RESULT.json[.gz] [RESULT.json ...] [--window 1.0]
-        [--join-token 0|1] [--plot itl_timeline.png]
+        [--join-token 0|1] [--plot itl_timeline.png] [--by-load]
 """
 
 from __future__ import annotations
@@ -123,6 +123,38 @@ def split(result: dict[str, Any], slack: float = JOIN_SLACK,
     }
 
 
+def steady_by_load(result: dict[str, Any], slack: float = JOIN_SLACK, join_token: int = 0
+                   ) -> dict[str, Any]:
+    """Steady gaps by what else was going on when each ended: how many requests were decoding
+    (their first token at or before it, their last at or after it), and whether another request
+    was on its way to its first token (sent, first token not yet out: P prefilling it, its KV
+    moving to D). A cost that every decode step carries shows at every batch size with or
+    without a request on its way; a cost of receiving KV only in ``in_flight``."""
+    spans = []  # (sent, first token, last token) of each successful request
+    for start, ttft, itls in zip(result.get("start_times", []), result.get("ttfts", []),
+                                 result.get("itls", [])):
+        if ttft:
+            spans.append((start, start + ttft, start + ttft + sum(itls)))
+    requests = token_times(result)
+    decoding: dict[int, list[float]] = {}
+    in_flight: list[float] = []
+    none_in_flight: list[float] = []
+    for end, length, join in gaps(requests, slack, join_token):
+        if join:
+            continue
+        n = sum(1 for _, first, last in spans if first <= end <= last)
+        decoding.setdefault(n, []).append(length)
+        # the gap's own request has its first token before ``end``: never counted here
+        (in_flight if any(sent <= end < first for sent, first, _ in spans)
+         else none_in_flight).append(length)
+
+    def cell(values: list[float]) -> dict[str, Any]:
+        return {"gaps": len(values), "median_ms": _median_ms(values)}
+
+    return {"decoding": {n: cell(v) for n, v in sorted(decoding.items())},
+            "in_flight": cell(in_flight), "none_in_flight": cell(none_in_flight)}
+
+
 def timeline(result: dict[str, Any], window_s: float = 1.0, slack: float = JOIN_SLACK,
              join_token: int = 0) -> list[dict[str, Any]]:
     """Per window of the run (by gap end time, from the first token on): median steady gap,
@@ -144,6 +176,24 @@ def timeline(result: dict[str, Any], window_s: float = 1.0, slack: float = JOIN_
     return [{"t_s": round(k * window_s, 3), "median_steady_itl_ms": _median_ms(steady),
              "median_join_itl_ms": _median_ms(joins), "joined": firsts.get(k, 0)}
             for k, (steady, joins) in sorted(buckets.items())]
+
+
+def print_by_load(loads: dict[str, dict[str, Any]]) -> None:
+    """Median steady gap (ms) per result, by batch size and by a request on its way; a batch
+    size with fewer than 1 % of a result's steady gaps is left out for it."""
+    shown = {name: {n: c["median_ms"] for n, c in load["decoding"].items()
+                    if c["gaps"] >= 0.01 * sum(x["gaps"] for x in load["decoding"].values())}
+             for name, load in loads.items()}
+    sizes = sorted({n for cells in shown.values() for n in cells})
+    print()
+    print("| result | another request on its way | none on its way | "
+          + " | ".join(f"{n} decoding" for n in sizes) + " |")
+    print("|---|---|---|" + "---|" * len(sizes))
+    for name, load in loads.items():
+        by_n = [shown[name].get(n) for n in sizes]
+        print(f"| {name} | {load['in_flight']['median_ms']} | "
+              f"{load['none_in_flight']['median_ms']} | "
+              + " | ".join("-" if v is None else str(v) for v in by_n) + " |")
 
 
 def plot(timelines: dict[str, list[dict[str, Any]]], out: Path) -> None:
@@ -178,10 +228,15 @@ def main() -> None:
                     help="which of a request's tokens D's admitting step gives it: 0, or 1 "
                          "for results of the first token from P (layerkv-ft)")
     ap.add_argument("--plot", type=Path, help="write the timeline plot here (needs matplotlib)")
+    ap.add_argument("--by-load", action="store_true",
+                    help="also split each result's steady steps by the number of requests "
+                         "decoding and by whether another request was on its way to its first "
+                         "token (batch sizes with at least 1 %% of the gaps)")
     args = ap.parse_args()
     if args.window <= 0:
         ap.error("--window must be > 0 seconds")
     timelines = {}
+    loads: dict[str, dict[str, Any]] = {}
     print("| result | gaps | join fraction | median ITL | join steps | steady steps |")
     print("|---|---|---|---|---|---|")
     for path in args.results:
@@ -192,9 +247,15 @@ def main() -> None:
         except (OSError, ValueError) as e:  # missing, not gzip, not JSON, not detailed
             raise SystemExit(f"{path}: {e}") from None
         name = path.name.removesuffix(".gz").removesuffix(".json")
+        if name in timelines:  # the same point of another run
+            name = f"{path.parent.name}/{name}"
         print(f"| {name} | {s['gaps']} | {s['join_fraction']} | {s['median_itl_ms']} | "
               f"{s['median_join_itl_ms']} | {s['median_steady_itl_ms']} |")
         timelines[name] = timeline(result, args.window, join_token=args.join_token)
+        if args.by_load:
+            loads[name] = steady_by_load(result, join_token=args.join_token)
+    if loads:
+        print_by_load(loads)
     if args.plot:
         plot(timelines, args.plot)
 

@@ -139,3 +139,38 @@ def test_tokens_that_came_in_one_chunk_are_counted() -> None:
     result["itls"][1] = [itls[0], itls[1] + itls[2] + itls[3], itls[4]]  # tokens 3-5 together
     s = itl_timeline.split(result)
     assert s["merged_tokens"] == 2 and s["gaps"] == 5 + 3
+
+
+def test_steady_steps_are_split_by_batch_size_and_by_a_request_on_its_way(tmp_path: Path
+                                                                          ) -> None:
+    """An engine whose steps take 10 ms, and 14 ms while request 2 is on its way (sent at step
+    20, first token at step 40): the split finds the slower steps in ``in_flight`` only, and
+    counts 2 requests decoding before step 40, 3 until requests 0 and 1 end, then 1."""
+    on_way_s = 0.014
+    ends, t = [], 100.0
+    for step in range(80):
+        t += on_way_s if 20 < step <= 40 else STEADY_S
+        ends.append(t)
+    result: dict = {"start_times": [], "ttfts": [], "itls": []}
+    for i, (first, sent) in enumerate([(0, ends[0] - 0.5), (0, ends[0] - 0.5), (40, ends[20])]):
+        times = [ends[s] + 0.0002 * i for s in range(first, min(80, first + 60))]
+        result["start_times"].append(sent)
+        result["ttfts"].append(times[0] - sent)
+        result["itls"].append([b - a for a, b in zip(times, times[1:])])
+    load_split = itl_timeline.steady_by_load(result)
+    assert load_split["in_flight"]["median_ms"] == pytest.approx(on_way_s * 1e3, abs=0.5)
+    assert load_split["none_in_flight"]["median_ms"] == pytest.approx(STEADY_S * 1e3, abs=0.5)
+    assert set(load_split["decoding"]) == {1, 2, 3}
+    assert load_split["decoding"][3]["median_ms"] == pytest.approx(STEADY_S * 1e3, abs=0.5)
+    # the join step (request 2's first token) is in neither class
+    steady = itl_timeline.split(result)
+    split_gaps = load_split["in_flight"]["gaps"] + load_split["none_in_flight"]["gaps"]
+    assert split_gaps == round(steady["gaps"] * (1 - steady["join_fraction"]))
+    path = tmp_path / "layerkv_rate0.5x_in4096_out128.json"
+    path.write_text(json.dumps(result))
+    r = subprocess.run([sys.executable, str(BENCHMARKS / "itl_timeline.py"), "--by-load",
+                        str(path)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert ("| another request on its way | none on its way | 1 decoding | 2 decoding | "
+            "3 decoding |") in r.stdout
+    assert "| layerkv_rate0.5x_in4096_out128 | 14.0 | 10.0 |" in r.stdout, r.stdout
