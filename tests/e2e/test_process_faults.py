@@ -4,12 +4,14 @@ kv_load_failure_policy=recompute after a failed transfer (also one that fails af
 the request early).
 
 One prefill instance (the shared e2e cluster's settings, no reference) serves every test here,
-as a P serves several D in xPyD; each case gets a decode instance of its own: one with another
-block size, one with the recompute policy, one that is killed, and one beside which P itself is
-killed, in the last test of the file. The five start together, before the shared e2e cluster
-(conftest.py runs files that do not use it first), so their start-ups keep both cores busy; a
-server's start-up is ~50 s of CPU on this machine. Log checks on P read only what P wrote
-during the test, since P also logs the other tests' failures."""
+as a P serves several D in xPyD; the cases get decode instances of their own: one with another
+block size, one with the recompute policy, which the decode-killed test then kills (once the
+recompute tests are done with it: what P does when its D dies does not depend on D's policy),
+and one beside which P itself is killed, in the last test of the file. The four start
+together, before the shared e2e cluster (conftest.py runs files that do not use it first), so
+their start-ups keep both cores busy; a server's start-up is ~45 s of CPU on this machine. Log
+checks on P read only what P wrote during the test, since P also logs the other tests'
+failures."""
 
 from __future__ import annotations
 
@@ -36,24 +38,26 @@ LONG_PROMPT = make_prompt(1200, 31)  # ~1,350 tokens: 6 chunks of 256, ~8 s on o
 def pairs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, PDCluster]]:
     """The shared P with each case's D, by case: "layout" (D with block size 32), "recompute"
     (kv_load_failure_policy=recompute, and early release 1 s before P's estimate, so that a
-    transfer failing at its end fails after D released the request), "decode_killed" and
-    "prefill_killed" (plain D)."""
+    transfer failing at its end fails after D released the request), "decode_killed" (the
+    recompute case's D, killed after the recompute tests) and "prefill_killed" (plain D)."""
     spec = ClusterSpec(model=model_path("smollm2"), workdir=tmp_path_factory.mktemp("faults"),
                        with_reference=False, with_proxy=False,
                        prefill_extra={"registration_timeout_s": 6, "ack_timeout_s": 20},
                        decode_extra={"kv_wait_timeout_s": 45},
                        connector_env={faults.ENV: "1"})
-    decode_killed = PDCluster(spec)
+    prefill_killed = PDCluster(spec)
+    recompute = prefill_killed.with_another_decode(
+        "decode-recompute", kv_config={"kv_load_failure_policy": "recompute"},
+        extra={**spec.decode_extra, "early_release_lead_ms": 1000})
     by_case = {
-        "layout": decode_killed.with_another_decode("decode-block32",
-                                                    args=["--block-size", "32"]),
-        "recompute": decode_killed.with_another_decode(
-            "decode-recompute", kv_config={"kv_load_failure_policy": "recompute"},
-            extra={**spec.decode_extra, "early_release_lead_ms": 1000}),
-        "decode_killed": decode_killed,
-        "prefill_killed": decode_killed.with_another_decode("decode-2"),
+        "layout": prefill_killed.with_another_decode("decode-block32",
+                                                     args=["--block-size", "32"]),
+        "recompute": recompute,
+        "decode_killed": recompute,
+        "prefill_killed": prefill_killed,
     }
-    servers = [decode_killed.prefill, *(pair.decode for pair in by_case.values())]
+    decodes = {id(pair.decode): pair.decode for pair in by_case.values()}
+    servers = [prefill_killed.prefill, *decodes.values()]
     start_all(servers, timeout=900)
     try:
         yield by_case
@@ -132,7 +136,8 @@ def test_transfer_failing_after_early_release_is_recomputed(
 
 def test_decode_killed_while_prefill_streams(pairs: dict[str, PDCluster]) -> None:
     """D is SIGKILLed while P streams into it: P's sender loses the connection, P still answers
-    its own request, and frees the request's blocks at once (no acknowledgement will come)."""
+    its own request, and frees the request's blocks at once (no acknowledgement will come).
+    Runs after the recompute tests, whose D it kills."""
     cluster = pairs["decode_killed"]
     p_log_start = log_size(cluster.prefill.log_path)
     _, (p_status, _) = cluster.prefill_and_decode(uuid.uuid4().hex, LONG_PROMPT,

@@ -429,6 +429,12 @@ def test_authenticated_connections_beyond_the_cap_are_refused(tmp_path, prefill,
     config = make_config(tmp_path, max_connections=3)
     pre = prefill(config)
     held = [authenticated(pre.endpoint) for _ in range(3)]
+    # the client's handshake ends a moment before P's thread marks the slot authenticated;
+    # until then a new connection may still evict it
+    deadline = time.monotonic() + 5
+    while pre.server.authenticated_connections < 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
     with pytest.raises(AuthError):
         authenticated(pre.endpoint)  # closed at accept: every slot is authenticated
     held.pop().close()

@@ -97,6 +97,11 @@ class RegistrationServer:
         """Connections being served now (admitted, not yet ended)."""
         return self._gate.active
 
+    @property
+    def authenticated_connections(self) -> int:
+        """Connections being served now that completed the handshake."""
+        return self._gate.authenticated
+
     def close(self) -> None:
         self._stop.set()
         self._pushes.put(None)

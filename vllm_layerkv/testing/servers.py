@@ -72,6 +72,11 @@ BASE_ENV: dict[str, str] = {
 }
 
 
+SERVER_SITE = str(Path(__file__).resolve().parent / "server_site")
+"""Put first on every server's PYTHONPATH: its ``sitecustomize`` keeps scikit-learn, which
+only lm-eval needs, out of the server processes (about 1.5 s of CPU per process at start)."""
+
+
 class ServerError(RuntimeError):
     """A server died during start-up or did not become healthy in time."""
 
@@ -424,7 +429,8 @@ class VllmServer:
         # Let a source checkout's package import in the server processes even when it is not
         # installed (e.g. kv_connector_module_path="vllm_layerkv...."); harmless otherwise.
         pkg_parent = str(Path(__file__).resolve().parent.parent.parent)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_parent, env.get("PYTHONPATH", "")) if p)
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (SERVER_SITE, pkg_parent, env.get("PYTHONPATH", "")) if p)
         env.update(self.extra_env)
         return env
 
@@ -632,7 +638,7 @@ def start_all(servers: Iterable[VllmServer], timeout: float = 300.0) -> list[Vll
                 names = ", ".join(f"{s.served_model_name}@{s.port}" for s in pending)
                 tails = "\n".join(f"--- {s.log_path}\n{s.log_tail(60)}" for s in pending)
                 raise ServerError(f"not healthy after {timeout:.0f} s: {names}\n{tails}")
-            time.sleep(0.5)
+            time.sleep(0.2)
     except BaseException:
         stop_all(group)
         raise
@@ -674,7 +680,7 @@ class HelperProcess:
                 last = f"HTTP {status}: {text[:1000]}"  # the proxy's 503 names what is wrong
             except OSError:  # not listening yet
                 pass
-            time.sleep(0.5)
+            time.sleep(0.1)  # the proxy starts in about a second
         raise ServerError(f"{self.url} not healthy after {timeout:.0f} s; last /health: {last}")
 
     def pids(self) -> list[int]:

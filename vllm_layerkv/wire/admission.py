@@ -89,6 +89,12 @@ class Gate:
         with self._lock:
             return len(self._slots)
 
+    @property
+    def authenticated(self) -> int:
+        """Connections served now that completed the handshake."""
+        with self._lock:
+            return sum(1 for s in self._slots if s.authenticated and not s.evicted)
+
     def admit(self, conn: socket.socket, addr: Any) -> Slot | None:
         """A slot for a connection just accepted, or None (the connection is then closed)."""
         try:
