@@ -44,6 +44,9 @@ Configurations (``--configs``):
                     moves after P's last layer
   layerkv-router-nixl  same behind vllm-router --kv-connector nixl (P's answer carries the
                     transfer to D; transport auto, like layerkv)
+  consumer-nixl, consumer-layerkv  one instance on GPU 0 with that connector in D's role
+               (kv_consumer) and no P: it serves every request itself, so its load points show
+               what the connector costs each decode step with no KV to receive (against 'single')
 Any P/D configuration takes a count of prefill instances -Kp (KP1D: K instances of P's TP, on
   GPUs of their own, in front of one D), then a TP suffix -tpP-tpD (P's and D's
   --tensor-parallel-size), e.g. layerkv-2p-tp1-tp2, layerkv-router-2p-tp1-tp2, layerkv-tp2-tp1,
@@ -135,13 +138,17 @@ class Config:
     """``tcp_pacing_gbps`` of P and D (0: none)."""
     instances: int = 1
     """``single-xN``: how many single instances stand behind the round-robin front end."""
+    connector: str = ""
+    """``consumer-<connector>``: the connector of the one instance (``nixl`` or ``layerkv``)."""
 
     @property
     def pd(self) -> bool:
         """A P/D configuration (not one or several single instances)."""
-        return self.family not in ("single", "aggregated")
+        return self.family not in ("single", "aggregated", "consumer")
 
 
+CONSUMER_CONNECTORS = ("nixl", "layerkv")
+_CONSUMER = re.compile(r"^consumer-(?P<connector>.+)$")
 _AGGREGATED = re.compile(r"^single-x(?P<n>\d+)$")
 _SINGLE_TP = re.compile(r"^single-tp(?P<n>\d+)$")
 _SUFFIXES = re.compile(r"^(?P<family>.+?)(?:-(?P<gbps>\d+(?:\.\d+)?)g)?(?:-(?P<np>\d+)p)?"
@@ -149,6 +156,11 @@ _SUFFIXES = re.compile(r"^(?P<family>.+?)(?:-(?P<gbps>\d+(?:\.\d+)?)g)?(?:-(?P<n
 
 
 def parse_config(name: str) -> Config:
+    if m := _CONSUMER.match(name):
+        if m["connector"] not in CONSUMER_CONNECTORS:
+            raise SystemExit(f"{name!r}: consumer-<connector> takes one of "
+                             f"{', '.join(CONSUMER_CONNECTORS)}")
+        return Config(name, "consumer", connector=m["connector"])
     if m := _AGGREGATED.match(name):
         if int(m["n"]) < 2:
             raise SystemExit(f"{name!r}: single-xN takes N >= 2 instances (one is 'single')")
@@ -228,6 +240,8 @@ def layout(config: Config, num_gpus: int, decode_first_gpu: int | None = None
             raise SystemExit(f"{config.name}: TP {config.p_tp} needs {config.p_tp} GPUs; "
                              f"--num-gpus is {num_gpus}")
         return [Instance("single", 0, config.p_tp, tuple(range(config.p_tp)))]
+    if config.family == "consumer":
+        return [Instance("decode", 0, 1, (0,))]
     if config.family == "aggregated":
         if config.instances > num_gpus:
             raise SystemExit(f"{config.name}: {config.instances} instances need "
@@ -422,6 +436,18 @@ def deploy(config: Config, args: argparse.Namespace, out: Path) -> Deployment:
 
     if family == "single":
         return Deployment([make(places[0], None)], instances=places)
+    if family == "consumer":
+        if config.connector == "nixl":
+            buf = {"kv_buffer_device": "cpu"} if args.device == "cpu" else {}
+            kv = {"kv_connector": "NixlConnector", "kv_role": "kv_consumer", **buf}
+            env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+                   "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+                   **({"UCX_TLS": "tcp"} if args.device == "cpu" else {})}
+        else:
+            kv = {"kv_connector": "LayerKV", "kv_connector_module_path": "vllm_layerkv",
+                  "kv_role": "kv_consumer", "kv_connector_extra_config": {}}
+            env = {}
+        return Deployment([make(places[0], kv, env)], instances=places)
     if family == "aggregated":
         servers = [make(i, None) for i in places]
         front = [router_command(), "--worker-urls", *(s.url for s in servers),
@@ -717,8 +743,10 @@ def decode_server_steps(before: str, after: str) -> dict[str, Any]:
             "itl_tokens": int(tokens), "engine_steps": int(steps)}
 
 
-def scrape(server: VllmServer | MetricsOf) -> str:
+def scrape(server: VllmServer | MetricsOf | None) -> str:
     """The server's /metrics text, or "" if it cannot be read (the point is measured anyway)."""
+    if server is None:
+        return ""
     try:
         return server.metrics()
     except (OSError, RuntimeError) as e:
@@ -862,9 +890,11 @@ def measure_capacity(config: Config, url: str, args: argparse.Namespace, runner:
 
 def measure_rates(config: Config, url: str, args: argparse.Namespace, runner: BenchServe,
                   capacity: dict[str, Any], res: dict[str, Any],
-                  save: Callable[[], None]) -> None:
+                  save: Callable[[], None], decoder: VllmServer | MetricsOf | None = None,
+                  groups: Callable[[], dict[str, list[int]]] = dict) -> None:
     """Every open-loop rate point: a warm-up run of its own at the rate (prompts of its own,
-    not reported), then the measured run."""
+    not reported), then the measured run, with the generating instances' own mean ITL over it
+    and the CPU time of each process group, as at the load points."""
     n, o, k = args.rate_shape
     for rate in args.rates:
         rps = rate.per_second(capacity.get("requests_per_s"))
@@ -873,12 +903,19 @@ def measure_rates(config: Config, url: str, args: argparse.Namespace, runner: Be
             bench(runner, url, args, args.out, f"{config.name}_{key}_warmup", n, o,
                   args.rate_warmup, None, request_rate=rps,
                   seed=open_loop_seed(f"rate{rate.label}:warm-up", n, o))
+        before, cpu_before = scrape(decoder), cpu_usage.take(groups())
         r = bench(runner, url, args, args.out, f"{config.name}_{key}", n, o, k, None,
                   request_rate=rps, seed=open_loop_seed(f"rate{rate.label}", n, o))
+        cpu = cpu_usage.usage(cpu_before, cpu_usage.take(groups()))
         point = open_loop.summarize_rate(r, rps, args.slo_ttft_ms, args.slo_tpot_ms)
+        point["decode_server"] = decode_server_steps(before, scrape(decoder))
+        point["cpu"] = cpu
         res[key] = point
         save()
         log(f"{config.name} {open_loop.one_line(rate.label, point)}")
+        if (served := point["decode_server"]).get("mean_itl_ms") is not None:
+            log(f"{config.name} rate {rate.label} decode instance's own mean ITL "
+                f"{served['mean_itl_ms']} ms over {served['engine_steps']} engine steps")
 
 
 def measure(config: Config, url: str, decoder: VllmServer | MetricsOf,
@@ -952,7 +989,7 @@ def measure(config: Config, url: str, decoder: VllmServer | MetricsOf,
         if config.family == "single" and any(r.of_capacity for r in rates) and not capacity:
             measure_capacity(config, url, args, runner, capacity)
             save()
-        measure_rates(config, url, args, runner, capacity, res, save)
+        measure_rates(config, url, args, runner, capacity, res, save, decoder, groups)
     return same
 
 

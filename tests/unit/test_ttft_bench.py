@@ -861,3 +861,49 @@ def test_counters_of_several_prefill_instances_add_up_with_bytes_per_request() -
     assert counters["requests"] == 16 and counters["bytes_per_request"] == 1000
     single = ttft_bench.one_or_all([FakePrefill(one)])
     assert isinstance(single, FakePrefill)
+
+
+def test_a_consumer_configuration_is_one_instance_with_the_connector_in_d_s_role(
+        tmp_path) -> None:
+    for connector, name in (("layerkv", "LayerKV"), ("nixl", "NixlConnector")):
+        config = ttft_bench.parse_config(f"consumer-{connector}")
+        assert (config.family, config.connector, config.pd) == ("consumer", connector, False)
+        assert gpus_of(f"consumer-{connector}") == [("decode", "0", False)]
+        deployed = ttft_bench.deploy(config, deploy_args(), tmp_path)
+        (server,) = deployed.servers
+        assert deployed.proxy_cmd is None and deployed.roles == ["decode"]
+        kv = server.kv_transfer_config
+        assert (kv["kv_connector"], kv["kv_role"]) == (name, "kv_consumer")
+        assert server.log_path.name == "decode.log"
+    with pytest.raises(SystemExit, match="one of nixl, layerkv"):
+        ttft_bench.parse_config("consumer-mooncake")
+
+
+class ScrapedDecoder:
+    """Stands in for D: each /metrics scrape shows 100 more tokens over 10 more steps, at
+    20 ms per token."""
+
+    def __init__(self) -> None:
+        self.scrapes = 0
+
+    def metrics(self) -> str:
+        self.scrapes += 1
+        return decode_metrics(2.0 * self.scrapes, 100 * self.scrapes, 10 * self.scrapes)
+
+
+def test_each_rate_point_records_the_decode_instance_s_own_itl(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ttft_bench, "cold_start", lambda *a: {"cold_ttft_ms": 1.0,
+                                                              "warm_ttft_ms": 1.0})
+    monkeypatch.setattr(ttft_bench, "warm_up", lambda *a: None)
+    args = rate_args(tmp_path, rates=open_loop.parse_rates("3"))
+    identity = ttft_bench.IdentityCheck(0, args, tmp_path / "ref.json")
+    decoder = ScrapedDecoder()
+    res: dict = {}
+    ttft_bench.measure(ttft_bench.parse_config("layerkv"), "http://x", decoder, args,
+                       RateRunner(), identity, res, lambda: None, capacity={})
+    point = res["rate3rps_in128_out6"]
+    assert point["decode_server"] == {"mean_itl_ms": 20.0, "itl_tokens": 100,
+                                      "engine_steps": 10}
+    assert decoder.scrapes == 2  # once before the measured run, once after; not the warm-up
+    assert "cpu" in point
