@@ -76,6 +76,21 @@ if [ -n "${PYSPY:-}" ] && [ ${#configs[@]} -gt 0 ]; then
     probes+=($!)
   done
 fi
+# TORCH_PROFILE_POINTS="nixl_rate0.5x_in4096_out128 ...": every server runs with vLLM's torch
+# profiler configured (--profiler-config, traces to $OUT/$RUN/torch_profile_raw), and during each
+# of those points the instance that generates the tokens records TORCH_PROFILE_SECONDS (3) from
+# TORCH_PROFILE_DELAY (5) seconds into the point (benchmarks/torch_profile_probe.sh) into
+# $OUT/$RUN/torch_profile_<point>/; benchmarks/decode_profile.py summarises them.
+if [ -n "${TORCH_PROFILE_POINTS:-}" ] && [ ${#configs[@]} -gt 0 ]; then
+  raw="$OUT/$RUN/torch_profile_raw"
+  profiler="--profiler-config '{\"profiler\": \"torch\", \"torch_profiler_dir\": \"$raw\", \"torch_profiler_with_stack\": false, \"ignore_frontend\": true}'"
+  VLLM_ARGS="${VLLM_ARGS:+$VLLM_ARGS }$profiler"
+  for point in $TORCH_PROFILE_POINTS; do
+    setsid bash benchmarks/torch_profile_probe.sh "$OUT/$RUN" "$point" "${TORCH_PROFILE_DELAY:-5}" \
+      "${TORCH_PROFILE_SECONDS:-3}" "$raw" "$OUT/$RUN/torch_profile_$point" > /dev/null 2>&1 &
+    probes+=($!)
+  done
+fi
 if [ ${#configs[@]} -gt 0 ]; then
   limit=(); [ -n "${BENCH_TIMEOUT:-}" ] && limit=(timeout -k 30 "$BENCH_TIMEOUT")
   # CUDA_VISIBLE_DEVICES=2,3 runs the benchmark on those GPUs alone (its GPU 0 is the host's 2)

@@ -8,6 +8,7 @@ checked against ttft_bench.py's parser and layouts, and their time limit."""
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import signal
@@ -312,3 +313,72 @@ def test_a_sweep_short_of_time_skips_the_steps_that_do_not_fit(tmp_path: Path,
         assert f"{run}: skipped" in log
     ran = (out / "commands.txt").read_text()
     assert "gpu_bench.sh" not in ran and ran.count("link_probe.py") == 2
+
+
+def test_torch_profile_probes_record_the_generating_instance_during_their_point(
+        tmp_path: Path, model: Path) -> None:
+    """TORCH_PROFILE_POINTS: every server gets vLLM's --profiler-config; during the point that
+    ran, the probe calls /start_profile then /stop_profile on the instance that generates the
+    tokens (found in bench.log) and moves the trace vLLM wrote into the point's folder; a probe
+    whose point never ran does not hold the benchmark up."""
+    import http.server
+    import threading
+
+    out = tmp_path / "out"
+    raw = out / "r1" / "torch_profile_raw"
+    posts: list[str] = []
+
+    class Instance(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+            posts.append(self.path)
+            if self.path == "/stop_profile":  # vLLM writes the trace before it answers
+                raw.mkdir(parents=True, exist_ok=True)
+                (raw / "d.1.pt.trace.json.gz").write_bytes(b"trace")
+                (raw / "profiler_out_0.txt").write_text("table")
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Instance)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    scripts = {
+        "nvidia-smi": 'if [ "$1" = -L ]; then echo "GPU 0: fake"; else echo "fake, 1 MiB"; fi',
+        # the benchmark: logs its flags, D's command line and one point, then ends
+        "python3": 'printf "%s\\n" "$@" > "$OUT/$RUN/args.txt"\n'
+                   f'echo "[bench 00:00:00] layerkv decode on GPUs 1: vllm serve m --port {port}"\n'
+                   'echo "[bench 00:00:01] vllm bench serve --result-filename layerkv_pt1.json"\n'
+                   'sleep 4; echo done > "$OUT/$RUN/summary.json"',
+    }
+    for name, body in scripts.items():
+        (bin_dir / name).write_text("#!/bin/bash\n" + body + "\n")
+        (bin_dir / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(out),
+           "BENCH": str(tmp_path / "bench"), "RUN": "r1", "MODEL": str(model),
+           "TORCH_PROFILE_POINTS": "layerkv_pt1 layerkv_pt2", "TORCH_PROFILE_DELAY": "0",
+           "TORCH_PROFILE_SECONDS": "1"}
+    try:
+        started = time.monotonic()
+        r = subprocess.run(["bash", "benchmarks/gpu_bench.sh", "layerkv", "--"], cwd=ROOT,
+                           env=env, capture_output=True, text=True, timeout=120)
+        took = time.monotonic() - started
+    finally:
+        server.shutdown()
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert took < 40, f"gpu_bench.sh waited {took:.0f} s for a probe whose point never ran"
+    assert posts == ["/start_profile", "/stop_profile"]
+    args = (out / "r1" / "args.txt").read_text().splitlines()
+    (flags,) = [a for a in args if a.startswith("--vllm-args=")]
+    config = json.loads(shlex.split(flags.split("=", 1)[1])[1])
+    assert config["profiler"] == "torch" and config["torch_profiler_dir"] == str(raw)
+    point = out / "r1" / "torch_profile_layerkv_pt1"
+    assert sorted(p.name for p in point.iterdir()) == [
+        "d.1.pt.trace.json.gz", "probe.log", "profiler_out_0.txt"]
+    assert "/stop_profile: HTTP/1.0 200" in (point / "probe.log").read_text()
+    assert not list(raw.iterdir())  # moved, not copied
+    assert not (out / "r1" / "torch_profile_layerkv_pt2").exists() or not list(
+        (out / "r1" / "torch_profile_layerkv_pt2").glob("*.gz"))

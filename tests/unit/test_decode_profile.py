@@ -1,0 +1,92 @@
+"""benchmarks/decode_profile.py: a decode instance's steps split into GPU busy time and idle gaps
+per CUDA-graph launch, on a simulated trace whose steps, kernels and gaps are known."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmark_scripts import load
+
+decode_profile = load("decode_profile")
+
+GEMM, ATTN = "nvjet_tst_128x64_64x4_1x1_v_bz_TNT", "flash_fwd_splitkv_kernel"
+
+
+def simulated_steps(steps: int, gap_us: float, gemm_us: float = 30.0,
+                    attn_us: float = 10.0) -> list[dict]:
+    """One graph launch per step; each step two GEMMs and one attention kernel back to back on
+    stream 7, then ``gap_us`` idle before the next step. A copy on another stream, and a CPU op,
+    must not count."""
+    events, t = [], 1000.0
+    for _ in range(steps):
+        events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch",
+                       "ts": t, "dur": 4.0, "pid": 1, "tid": 1})
+        for name, dur in ((GEMM, gemm_us), (ATTN, attn_us), (GEMM, gemm_us)):
+            events.append({"ph": "X", "cat": "kernel", "name": name, "ts": t, "dur": dur,
+                           "pid": 0, "tid": 7})
+            t += dur
+        t += gap_us
+    events.append({"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy PtoP", "ts": 1000.0,
+                   "dur": 5.0, "pid": 0, "tid": 9})
+    events.append({"ph": "X", "cat": "cpu_op", "name": "aten::add", "ts": 1000.0, "dur": 1e6,
+                   "pid": 1, "tid": 1})
+    events.append({"ph": "i", "name": "marker", "ts": 0})  # not a complete event
+    return events
+
+
+def test_busy_and_idle_per_launch_come_from_the_forward_stream() -> None:
+    s = decode_profile.summarize(simulated_steps(10, gap_us=200.0))
+    assert s["graph_launches"] == 10
+    assert s["busy_per_launch_ms"] == pytest.approx(0.070)
+    # 9 gaps of 200 us between 10 steps
+    assert s["idle_ms"] == pytest.approx(1.8)
+    assert s["gaps"]["100-1000us"] == {"count": 9, "ms": 1.8}
+    assert s["gaps"]["0-5us"]["count"] == 0
+    assert s["classes"]["gemm"] == {"count": 20, "ms": 0.6, "mean_us": 30.0}
+    assert s["classes"]["attention"]["mean_us"] == 10.0
+    assert s["other_streams"] == 1
+    assert s["top_kernels"][0]["name"] == GEMM
+
+
+def test_slower_kernels_and_longer_gaps_are_told_apart() -> None:
+    base = decode_profile.summarize(simulated_steps(20, gap_us=50.0))
+    slow_gpu = decode_profile.summarize(simulated_steps(20, gap_us=50.0, gemm_us=33.0))
+    slow_host = decode_profile.summarize(simulated_steps(20, gap_us=110.0))
+    assert slow_gpu["busy_per_launch_ms"] > base["busy_per_launch_ms"]
+    assert slow_gpu["idle_per_launch_ms"] == base["idle_per_launch_ms"]
+    assert slow_host["busy_per_launch_ms"] == base["busy_per_launch_ms"]
+    assert slow_host["idle_per_launch_ms"] > base["idle_per_launch_ms"]
+
+
+def test_overlapping_kernels_count_once() -> None:
+    busy, gaps = decode_profile.busy_and_gaps([(0.0, 10.0), (5.0, 10.0), (30.0, 5.0)])
+    assert busy == 20.0 and gaps == [15.0]
+
+
+def test_a_trace_without_gpu_kernels_is_refused_with_the_reason(tmp_path: Path,
+                                                                capsys) -> None:
+    cpu_only = [e for e in simulated_steps(3, 10.0) if e.get("cat") == "cpu_op"]
+    path = tmp_path / "cpu.pt.trace.json"
+    path.write_text(json.dumps({"traceEvents": cpu_only}))
+    assert decode_profile.main([str(path)]) == 2
+    assert "no GPU kernels in the trace" in capsys.readouterr().err
+
+
+def test_the_command_reads_gzipped_traces_and_writes_a_table_and_json(tmp_path: Path,
+                                                                       capsys) -> None:
+    paths = []
+    for name, gap in (("nixl", 50.0), ("layerkv", 90.0)):
+        path = tmp_path / f"{name}.pt.trace.json.gz"
+        with gzip.open(path, "wt") as f:
+            json.dump({"traceEvents": simulated_steps(5, gap)}, f)
+        paths.append(str(path))
+    out = tmp_path / "summary.json"
+    assert decode_profile.main([*paths, "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "| trace | window ms | graph launches |" in printed and "layerkv" in printed
+    summaries = json.loads(out.read_text())
+    assert [s["idle_per_launch_ms"] for s in summaries.values()] == [0.04, 0.072]
