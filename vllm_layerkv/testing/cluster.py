@@ -130,10 +130,11 @@ class PDCluster:
         self.proxy: HelperProcess | None = None
 
     def _decode_server(self, name: str, args: list[str], extra: dict[str, Any],
-                       kv_config: dict[str, Any]) -> VllmServer:
+                       kv_config: dict[str, Any], cpus: str | None = None) -> VllmServer:
         spec = self.spec
         return VllmServer(
-            spec.model, free_port(), served_model_name=MODEL_NAME, cpu_bind=spec.decode_cpus,
+            spec.model, free_port(), served_model_name=MODEL_NAME,
+            cpu_bind=spec.decode_cpus if cpus is None else cpus,
             log_path=spec.workdir / f"{name}.log", max_model_len=spec.max_model_len,
             env=self._env, extra_args=[*spec.common_args, *args],
             enable_prefix_caching=spec.enable_prefix_caching, dtype=spec.dtype,
@@ -142,12 +143,14 @@ class PDCluster:
 
     def with_another_decode(self, name: str, args: list[str] | None = None,
                             extra: dict[str, Any] | None = None,
-                            kv_config: dict[str, Any] | None = None) -> PDCluster:
+                            kv_config: dict[str, Any] | None = None,
+                            cpus: str | None = None) -> PDCluster:
         """This cluster with another decode instance in place of ``decode`` (not started; its
         log ``<name>.log`` in the workdir), sharing P and the reference (a proxy, if any,
         still fronts the first decode instance). ``args``, ``extra`` and ``kv_config`` replace
         the spec's ``decode_args``, ``decode_extra`` and ``decode_kv_config`` (None: the
-        spec's). One prefill instance serves several decode instances, as in xPyD: tests that
+        spec's), ``cpus`` its ``VLLM_CPU_OMP_THREADS_BIND`` (None: the spec's ``decode_cpus``).
+        One prefill instance serves several decode instances, as in xPyD: tests that
         each need a D of another configuration, or one they may kill, share the P. The caller
         starts and stops the new D (:func:`start_all`, :func:`stop_all`)."""
         spec = self.spec
@@ -155,7 +158,7 @@ class PDCluster:
         other.decode = self._decode_server(
             name, spec.decode_args if args is None else args,
             spec.decode_extra if extra is None else extra,
-            spec.decode_kv_config if kv_config is None else kv_config)
+            spec.decode_kv_config if kv_config is None else kv_config, cpus)
         return other
 
     @property

@@ -161,8 +161,9 @@ def run_lm_eval(base_url: str, model_name: str, tokenizer: Path, tasks: list[str
         f"model={model_name}", f"base_url={base_url}/v1/completions", f"tokenizer={tokenizer}",
         f"num_concurrent={num_concurrent}", "tokenized_requests=False", "max_retries=1",
         "timeout=600"])
-    cmd = [sys.executable, "-m", "lm_eval", "--model", "local-completions",
-           "--model_args", model_args, "--tasks", ",".join(tasks),
+    # lm-eval's command line, indexing only include_path's tasks (lm_eval_cli.py)
+    cmd = [sys.executable, "-m", "vllm_layerkv.testing.lm_eval_cli",
+           "--model", "local-completions", "--model_args", model_args, "--tasks", ",".join(tasks),
            "--include_path", str(include_path), "--output_path", str(out_dir), "--log_samples",
            "--seed", "0"]
     if limit is not None:

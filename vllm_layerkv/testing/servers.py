@@ -73,8 +73,9 @@ BASE_ENV: dict[str, str] = {
 
 
 SERVER_SITE = str(Path(__file__).resolve().parent / "server_site")
-"""Put first on every server's PYTHONPATH: its ``sitecustomize`` keeps scikit-learn, which
-only lm-eval needs, out of the server processes (about 1.5 s of CPU per process at start)."""
+"""Put first on every server's PYTHONPATH: its ``sitecustomize`` keeps scikit-learn (and on CPU
+SciPy), which only lm-eval needs, out of the server processes (about 2.5 s of CPU per process at
+start)."""
 
 
 class ServerError(RuntimeError):
