@@ -377,9 +377,24 @@ TRANSFER_COUNTERS = ("vllm:layerkv_groups_sent", "vllm:layerkv_transfers_sent",
                      "vllm:layerkv_bytes_sent")
 
 
+LAYERKV_CONNECTOR = {"kv_connector": "LayerKV", "kv_connector_module_path": "vllm_layerkv"}
+"""LayerKV's kv-transfer-config names: the module path too, so that it loads even where the
+package's entry point is not installed."""
+
+
+def nixl_server(config: Config, role: str, device: str
+                ) -> tuple[dict[str, Any], dict[str, str]]:
+    """The kv-transfer-config and environment of a NixlConnector instance in ``role``: its
+    configuration's environment plus a side channel of its own."""
+    buf = {"kv_buffer_device": "cpu"} if device == "cpu" else {}
+    env = {**config_env(config, device), "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+           "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
+    return {"kv_connector": "NixlConnector", "kv_role": role, **buf}, env
+
+
 def config_env(config: Config, device: str) -> dict[str, str]:
     """The environment P and D of a configuration get (UCX's transports, the shared secret)."""
-    if config.family in ("nixl", "nixl-tcp"):
+    if config.family in ("nixl", "nixl-tcp") or config.connector == "nixl":
         env = {"UCX_TLS": "tcp,cuda_copy,self"} if config.family == "nixl-tcp" else {}
         return {**env, "UCX_TLS": "tcp"} if device == "cpu" else env
     if config.family in LAYERKV_CONFIGS:
@@ -438,14 +453,9 @@ def deploy(config: Config, args: argparse.Namespace, out: Path) -> Deployment:
         return Deployment([make(places[0], None)], instances=places)
     if family == "consumer":
         if config.connector == "nixl":
-            buf = {"kv_buffer_device": "cpu"} if args.device == "cpu" else {}
-            kv = {"kv_connector": "NixlConnector", "kv_role": "kv_consumer", **buf}
-            env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
-                   "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-                   **({"UCX_TLS": "tcp"} if args.device == "cpu" else {})}
+            kv, env = nixl_server(config, "kv_consumer", args.device)
         else:
-            kv = {"kv_connector": "LayerKV", "kv_connector_module_path": "vllm_layerkv",
-                  "kv_role": "kv_consumer", "kv_connector_extra_config": {}}
+            kv = {**LAYERKV_CONNECTOR, "kv_role": "kv_consumer", "kv_connector_extra_config": {}}
             env = {}
         return Deployment([make(places[0], kv, env)], instances=places)
     if family == "aggregated":
@@ -457,12 +467,9 @@ def deploy(config: Config, args: argparse.Namespace, out: Path) -> Deployment:
     prefills, decode = places[:-1], places[-1]
     env = config_env(config, args.device)
     if family.startswith("nixl"):
-        buf = {"kv_buffer_device": "cpu"} if args.device == "cpu" else {}
 
         def nixl(inst: Instance, role: str) -> VllmServer:
-            return make(inst, {"kv_connector": "NixlConnector", "kv_role": role, **buf},
-                        {**env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
-                         "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"})
+            return make(inst, *nixl_server(config, role, args.device))
 
         ps = [nixl(i, "kv_producer") for i in prefills]
         d = nixl(decode, "kv_consumer")
@@ -479,8 +486,6 @@ def deploy(config: Config, args: argparse.Namespace, out: Path) -> Deployment:
         if args.trace:
             common["trace_path"] = str(cdir / "trace")
         router_mode = LAYERKV_ROUTERS.get(family)
-        # module path too: works even where the package's entry point is not installed
-        lkv = {"kv_connector": "LayerKV", "kv_connector_module_path": "vllm_layerkv"}
         ps, bootstrap_ports = [], []
         for inst in prefills:
             p_extra = dict(common)
@@ -493,9 +498,9 @@ def deploy(config: Config, args: argparse.Namespace, out: Path) -> Deployment:
             if bootstrap_port is not None:
                 p_extra["bootstrap_port"] = bootstrap_port
             bootstrap_ports.append(bootstrap_port)
-            ps.append(make(inst, {**lkv, "kv_role": "kv_producer",
+            ps.append(make(inst, {**LAYERKV_CONNECTOR, "kv_role": "kv_producer",
                                   "kv_connector_extra_config": p_extra}, env))
-        d = make(decode, {**lkv, "kv_role": "kv_consumer",
+        d = make(decode, {**LAYERKV_CONNECTOR, "kv_role": "kv_consumer",
                           "kv_connector_extra_config": common}, env)
         if router_mode is not None:
             proxy = [router_command(), *router_args(

@@ -35,6 +35,13 @@ def alive(pid: int) -> bool:
     return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
 
 
+def write_scripts(bin_dir: Path, scripts: dict[str, str]) -> None:
+    """Stand-in executables: each ``name`` a bash script running ``body``."""
+    for name, body in scripts.items():
+        (bin_dir / name).write_text("#!/bin/bash\n" + body + "\n")
+        (bin_dir / name).chmod(0o755)
+
+
 @pytest.fixture
 def model(tmp_path: Path) -> Path:
     """A model directory as MODEL names one: a config.json and tokenizer files."""
@@ -58,9 +65,7 @@ def fake_bin(tmp_path: Path) -> Path:
                    'echo $! > "$OUT/server.pid"\n'
                    'exec sleep 600',
     }
-    for name, body in scripts.items():
-        (bin_dir / name).write_text("#!/bin/bash\n" + body + "\n")
-        (bin_dir / name).chmod(0o755)
+    write_scripts(bin_dir, scripts)
     return bin_dir
 
 
@@ -120,9 +125,7 @@ def test_pyspy_probes_sample_their_point_and_do_not_outlive_the_benchmark(tmp_pa
                   'echo "sampled $p" > "$o"\n'
                   'while kill -0 "$p" 2>/dev/null; do sleep 0.2; done',
     }
-    for name, body in scripts.items():
-        (bin_dir / name).write_text("#!/bin/bash\n" + body + "\n")
-        (bin_dir / name).chmod(0o755)
+    write_scripts(bin_dir, scripts)
     out = tmp_path / "out"
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(out),
            "BENCH": str(tmp_path / "bench"), "RUN": "r1", "MODEL": str(model),
@@ -151,9 +154,7 @@ def recording_bin(tmp_path: Path, gpus: int = 2) -> Path:
         "nvidia-smi": f'if [ "$1" = -L ]; then {listing}; else echo "fake, 1 MiB"; fi',
         "python3": 'printf "%s\\n" "$@" >> "$CALLS"; echo "----" >> "$CALLS"',
     }
-    for name, body in scripts.items():
-        (bin_dir / name).write_text("#!/bin/bash\n" + body + "\n")
-        (bin_dir / name).chmod(0o755)
+    write_scripts(bin_dir, scripts)
     return bin_dir
 
 
@@ -354,9 +355,7 @@ def test_torch_profile_probes_record_the_generating_instance_during_their_point(
                    'echo "[bench 00:00:01] vllm bench serve --result-filename layerkv_pt1.json"\n'
                    'sleep 4; echo done > "$OUT/$RUN/summary.json"',
     }
-    for name, body in scripts.items():
-        (bin_dir / name).write_text("#!/bin/bash\n" + body + "\n")
-        (bin_dir / name).chmod(0o755)
+    write_scripts(bin_dir, scripts)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(out),
            "BENCH": str(tmp_path / "bench"), "RUN": "r1", "MODEL": str(model),
            "TORCH_PROFILE_POINTS": "layerkv_pt1 layerkv_pt2", "TORCH_PROFILE_DELAY": "0",
