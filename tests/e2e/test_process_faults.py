@@ -25,7 +25,7 @@ import pytest
 from prompts import make_prompt
 
 from vllm_layerkv.testing import faults
-from vllm_layerkv.testing.cluster import PDCluster, wait_idle
+from vllm_layerkv.testing.cluster import PDCluster, log_since, wait_idle
 from vllm_layerkv.testing.servers import start_all, stop_all
 
 pytestmark = pytest.mark.e2e
@@ -73,12 +73,6 @@ def assert_idle(cluster: PDCluster, *which: str) -> None:
 
 def log_size(path: Path) -> int:
     return path.stat().st_size
-
-
-def log_since(path: Path, offset: int) -> str:
-    with path.open("rb") as f:
-        f.seek(offset)
-        return f.read().decode("utf-8", "replace")
 
 
 def test_kv_layout_mismatch_is_refused_at_registration(pairs: dict[str, PDCluster]) -> None:

