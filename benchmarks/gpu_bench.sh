@@ -69,11 +69,13 @@ fi
 # default) into $OUT/$RUN/pyspy_<point>/. A probe whose point never ran (its configuration did
 # not start) is stopped when the benchmark ends rather than left waiting for it.
 probes=()
+probe_points=()  # the point each probe waits for
 if [ -n "${PYSPY:-}" ] && [ ${#configs[@]} -gt 0 ]; then
   for point in ${PYSPY_POINTS:-}; do
     setsid bash benchmarks/pyspy_probe.sh "$PYSPY" "$OUT/$RUN" "$point" "${PYSPY_SECONDS:-45}" \
       "$OUT/$RUN/pyspy_$point" > /dev/null 2>&1 &
     probes+=($!)
+    probe_points+=("$point")
   done
 fi
 # TORCH_PROFILE_POINTS="nixl_rate0.5x_in4096_out128 ...": every server runs with vLLM's torch
@@ -89,6 +91,7 @@ if [ -n "${TORCH_PROFILE_POINTS:-}" ] && [ ${#configs[@]} -gt 0 ]; then
     setsid bash benchmarks/torch_profile_probe.sh "$OUT/$RUN" "$point" "${TORCH_PROFILE_DELAY:-5}" \
       "${TORCH_PROFILE_SECONDS:-3}" "$raw" "$OUT/$RUN/torch_profile_$point" > /dev/null 2>&1 &
     probes+=($!)
+    probe_points+=("$point")
   done
 fi
 if [ ${#configs[@]} -gt 0 ]; then
@@ -109,10 +112,14 @@ if [ ${#configs[@]} -gt 0 ]; then
   "${limit[@]}" "${cmd[@]}" > "$OUT/$RUN/bench.log" 2>&1
   echo "ttft_bench exit $?"
   grep -E "^\[bench|median|identity|\||failed|Error" "$OUT/$RUN/bench.log" | grep -v "bench serve --backend" | tail -60
-  # a probe still recording ends with its servers (stopped by now): give it a few seconds
-  # to write its profile, then stop whatever is left (probes still waiting for their point)
+  # a probe whose point ran may still be writing its profile (its servers are stopped by now):
+  # give those a few seconds, then stop whatever is left, with the probes whose point never ran
   for _ in $(seq 1 5); do
-    live=0; for p in "${probes[@]}"; do kill -0 "$p" 2>/dev/null && live=1; done
+    live=0
+    for i in "${!probes[@]}"; do
+      grep -q -- "--result-filename ${probe_points[$i]}.json" "$OUT/$RUN/bench.log" 2>/dev/null \
+        && kill -0 "${probes[$i]}" 2>/dev/null && live=1
+    done
     [ $live = 0 ] && break
     sleep 1
   done
