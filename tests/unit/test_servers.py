@@ -135,9 +135,10 @@ def test_servers_on_cpu_share_torch_inductors_default_cache(tmp_path, monkeypatc
         server.start()
         own_folder = Path(server._tmp_dir or "")  # noqa: SLF001 - the folder under test
         deadline = time.monotonic() + 30
+        # whole lines only: the log starts with the command, which holds this script's text
         lines: list[str] = []
-        while "compiled" not in lines and time.monotonic() < deadline:  # (the log's first
-            time.sleep(0.05)  # lines are its command, with this script)
+        while "compiled" not in lines and time.monotonic() < deadline:
+            time.sleep(0.05)
             lines = server.log_path.read_text().splitlines()
         found += [line for line in lines if line.startswith("found [")]
         server.stop(grace=5)
