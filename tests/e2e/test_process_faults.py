@@ -29,7 +29,11 @@ from vllm_layerkv.testing.cluster import PDCluster, log_since, wait_idle
 from vllm_layerkv.testing.servers import start_all, stop_all
 
 pytestmark = pytest.mark.e2e
-LONG_PROMPT = make_prompt(1200, 31)  # ~1,350 tokens: 6 chunks of 256, ~8 s on one CPU core
+# ~1,350 tokens each: 6 chunks of 256, seconds on one CPU core. One prompt per kill test: P keeps
+# a prompt's blocks in its prefix cache, and a prompt P computed before streams all its KV in
+# one step, before the test can kill anything.
+DECODE_KILLED_PROMPT = make_prompt(1200, 31)
+PREFILL_KILLED_PROMPT = make_prompt(1200, 37)
 
 ENDS_SHARED_CLUSTER = True
 """The last test kills the shared cluster's P: conftest.py runs this file after every other
@@ -134,7 +138,7 @@ def test_decode_killed_while_prefill_streams(pairs: dict[str, PDCluster]) -> Non
     Runs after the recompute tests, whose D it kills."""
     cluster = pairs["decode_killed"]
     p_log_start = log_size(cluster.prefill.log_path)
-    _, (p_status, _) = cluster.prefill_and_decode(uuid.uuid4().hex, LONG_PROMPT,
+    _, (p_status, _) = cluster.prefill_and_decode(uuid.uuid4().hex, DECODE_KILLED_PROMPT,
                                                   on_streaming=cluster.decode.kill)
     assert p_status == 200
     assert_idle(cluster, "prefill")
@@ -148,9 +152,13 @@ def test_prefill_killed_mid_stream_fails_decode(pairs: dict[str, PDCluster]) -> 
     well before kv_wait_timeout_s, and frees its blocks. The file's last test: P is gone
     afterwards."""
     cluster = pairs["prefill_killed"]
-    d, _ = cluster.prefill_and_decode(uuid.uuid4().hex, LONG_PROMPT,
+    tid = uuid.uuid4().hex
+    d, _ = cluster.prefill_and_decode(tid, PREFILL_KILLED_PROMPT,
                                       on_streaming=cluster.prefill.kill)
-    assert d["status"] >= 500, d
+    # what P did with the transfer before it died: one step_plan per chunk it streamed, and
+    # nearly_done_sent if it got to the last one (then the kill came too late to test anything)
+    p_events = [e["ev"] for e in cluster.trace_events() if tid in json.dumps(e)]
+    assert d["status"] >= 500, (d, p_events)
     assert d["elapsed"] < 30, d
     assert_idle(cluster, "decode")
     assert cluster.decode.poll_ready()  # D still serves
