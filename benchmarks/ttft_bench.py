@@ -97,6 +97,7 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import cpu_usage  # noqa: E402  (benchmarks/cpu_usage.py, beside this script)
+import gpu_clocks  # noqa: E402  (benchmarks/gpu_clocks.py)
 import ideal_ttft  # noqa: E402  (benchmarks/ideal_ttft.py)
 import itl_timeline  # noqa: E402  (benchmarks/itl_timeline.py, beside this script)
 import link_probe  # noqa: E402  (benchmarks/link_probe.py)
@@ -862,6 +863,14 @@ def process_groups(deployment: Deployment, helpers: list[HelperProcess],
     return groups
 
 
+def gpus_by_role(deployment: Deployment, device: str) -> dict[str, list[str]]:
+    """The host's GPUs of each instance of a running configuration, by its label, for
+    ``gpu_clocks``: none on CPU."""
+    if device != "cuda":
+        return {}
+    return {inst.label: inst.visible.split(",") for inst in deployment.instances}
+
+
 def measure_overhead(config: Config, url: str, args: argparse.Namespace, runner: BenchServe,
                      res: dict[str, Any]) -> None:
     """The single instance's median TTFT at a 16-token prompt: the fixed part of a TTFT, from
@@ -896,10 +905,11 @@ def measure_capacity(config: Config, url: str, args: argparse.Namespace, runner:
 def measure_rates(config: Config, url: str, args: argparse.Namespace, runner: BenchServe,
                   capacity: dict[str, Any], res: dict[str, Any],
                   save: Callable[[], None], decoder: VllmServer | MetricsOf | None = None,
-                  groups: Callable[[], dict[str, list[int]]] = dict) -> None:
+                  groups: Callable[[], dict[str, list[int]]] = dict,
+                  gpus: dict[str, list[str]] | None = None) -> None:
     """Every open-loop rate point: a warm-up run of its own at the rate (prompts of its own,
-    not reported), then the measured run, with the generating instances' own mean ITL over it
-    and the CPU time of each process group, as at the load points."""
+    not reported), then the measured run, with the generating instances' own mean ITL over it,
+    the CPU time of each process group and the GPUs' clocks, as at the load points."""
     n, o, k = args.rate_shape
     for rate in args.rates:
         rps = rate.per_second(capacity.get("requests_per_s"))
@@ -909,30 +919,39 @@ def measure_rates(config: Config, url: str, args: argparse.Namespace, runner: Be
                   args.rate_warmup, None, request_rate=rps,
                   seed=open_loop_seed(f"rate{rate.label}:warm-up", n, o))
         before, cpu_before = scrape(decoder), cpu_usage.take(groups())
-        r = bench(runner, url, args, args.out, f"{config.name}_{key}", n, o, k, None,
-                  request_rate=rps, seed=open_loop_seed(f"rate{rate.label}", n, o))
+        with gpu_clocks.GpuSampler(gpus or {}) as clocks:
+            r = bench(runner, url, args, args.out, f"{config.name}_{key}", n, o, k, None,
+                      request_rate=rps, seed=open_loop_seed(f"rate{rate.label}", n, o))
         cpu = cpu_usage.usage(cpu_before, cpu_usage.take(groups()))
         point = open_loop.summarize_rate(r, rps, args.slo_ttft_ms, args.slo_tpot_ms)
         point["decode_server"] = decode_server_steps(before, scrape(decoder))
         point["cpu"] = cpu
+        if gpus:
+            point["gpu"] = clocks.summary()
         res[key] = point
         save()
         log(f"{config.name} {open_loop.one_line(rate.label, point)}")
         if (served := point["decode_server"]).get("mean_itl_ms") is not None:
             log(f"{config.name} rate {rate.label} decode instance's own mean ITL "
                 f"{served['mean_itl_ms']} ms over {served['engine_steps']} engine steps")
+        if "gpu" in point:
+            log(f"{config.name} rate {rate.label} GPUs over the point: "
+                f"{gpu_clocks.one_line(point['gpu'])}")
 
 
 def measure(config: Config, url: str, decoder: VllmServer | MetricsOf,
             args: argparse.Namespace, runner: BenchServe, identity: IdentityCheck,
             res: dict[str, Any], save: Callable[[], None],
             groups: Callable[[], dict[str, list[int]]] = dict,
-            capacity: dict[str, Any] | None = None) -> bool:
+            capacity: dict[str, Any] | None = None,
+            gpus: dict[str, list[str]] | None = None) -> bool:
     """Everything measured of one running configuration, into ``res`` (saved after each
     point); False if its greedy outputs differ from the single instance's. ``decoder``: the
     instances that generate the tokens (D, or the single instances). ``groups``: its
     processes by role, whose CPU time each load point records. ``capacity``: P's prefill
-    capacity for the rate points, measured here on the single instance if it is not known."""
+    capacity for the rate points, measured here on the single instance if it is not known.
+    ``gpus``: its GPUs by instance, whose clocks each load and rate point records (none on
+    CPU)."""
     name = config.name
     capacity = {} if capacity is None else capacity
     rates = getattr(args, "rates", [])
@@ -963,11 +982,14 @@ def measure(config: Config, url: str, decoder: VllmServer | MetricsOf,
             # the first run keeps the point's plain name (and seed), as without repeats
             tag = f"{name}_{key}" + (f"_r{rep}" if rep > 1 else "")
             before, cpu_before = scrape(decoder), cpu_usage.take(groups())
-            r = bench(runner, url, args, args.out, tag, i, o, k, c, repeat=rep)
+            with gpu_clocks.GpuSampler(gpus or {}) as clocks:
+                r = bench(runner, url, args, args.out, tag, i, o, k, c, repeat=rep)
             cpu = cpu_usage.usage(cpu_before, cpu_usage.take(groups()))
             point = summarize(r, join_token(config))
             point["decode_server"] = decode_server_steps(before, scrape(decoder))
             point["cpu"] = cpu
+            if gpus:
+                point["gpu"] = clocks.summary()
             runs.append(point)
             res[key] = {**runs[0], "repeats": runs} if repeats > 1 else point
             save()
@@ -984,6 +1006,9 @@ def measure(config: Config, url: str, decoder: VllmServer | MetricsOf,
                     f"{served['mean_itl_ms']} ms over {served['engine_steps']} engine steps "
                     f"(client side {r.get('mean_itl_ms', float('nan')):.2f} ms)")
             log(f"{name} load c={c}{run} CPU over the point: {cpu_usage.one_line(cpu)}")
+            if "gpu" in point:
+                log(f"{name} load c={c}{run} GPUs over the point: "
+                    f"{gpu_clocks.one_line(point['gpu'])}")
         if repeats > 1:
             m = res[key]["median_of_repeats"] = load_repeats_median(runs)
             save()
@@ -994,7 +1019,7 @@ def measure(config: Config, url: str, decoder: VllmServer | MetricsOf,
         if config.family == "single" and any(r.of_capacity for r in rates) and not capacity:
             measure_capacity(config, url, args, runner, capacity)
             save()
-        measure_rates(config, url, args, runner, capacity, res, save, decoder, groups)
+        measure_rates(config, url, args, runner, capacity, res, save, decoder, groups, gpus)
     return same
 
 
@@ -1020,7 +1045,8 @@ def run_config(config: Config, args: argparse.Namespace, runner: BenchServe,
     try:
         ok = measure(config, url, one_or_all(generating or deployment.servers[-1:]), args,
                      runner, identity, res, save,
-                     lambda: process_groups(deployment, procs, runner), capacity)
+                     lambda: process_groups(deployment, procs, runner), capacity,
+                     gpus_by_role(deployment, args.device))
         if config.family in LAYERKV_CONFIGS:
             prefills = deployment.of_role("prefill") or deployment.servers[:1]
             res["counters"] = transfer_counters(one_or_all(prefills), config.p_tp)

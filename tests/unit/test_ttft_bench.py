@@ -126,7 +126,8 @@ def test_a_configuration_that_does_not_start_is_recorded_and_the_next_one_runs(
             raise ServerError("single exited with rc=1 during start-up")
         return "http://127.0.0.1:1", []
 
-    def measure(config, url, decoder, args, runner, identity, res, save, groups, capacity):
+    def measure(config, url, decoder, args, runner, identity, res, save, groups, capacity,
+                gpus):
         res["measured_at"] = url
         return True
 
