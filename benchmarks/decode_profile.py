@@ -3,15 +3,19 @@
 per CUDA-graph launch, and which kernels took the time.
 
 Two decode instances whose steps differ in length differ either in their kernels (the GPU did
-more, or the same work more slowly) or in the gaps between them (the GPU waited for the host).
-This tells the two apart:
+more, or the same work more slowly) or in the gaps between them: between graphs (the GPU
+waited for the host) or inside one (the GPU's own gaps from one kernel to the next). This
+tells them apart:
 
 * the **stream** is the CUDA stream with the most kernel time (vLLM's forward);
 * **busy** is the union of that stream's kernel, memcpy and memset intervals, **idle** the rest
   of the window from its first kernel to its last; **gaps** are the idle intervals, by length;
 * **steps** are the ``cudaGraphLaunch`` calls in the window (one per decode step with FULL CUDA
   graphs; eager or PIECEWISE steps launch more, or none);
-* kernels are grouped into attention, GEMM, copies and the rest by name.
+* kernels are grouped into attention, GEMM, copies and the rest by name;
+* **per launch**: each graph's kernels found by their launch's correlation id, so idle time
+  *inside* a graph (its kernels' launch gaps) is told apart from idle time *before* it, and a
+  host that called ``cudaGraphLaunch`` after the GPU had run dry from one that was ahead.
 
     python3 benchmarks/decode_profile.py TRACE.pt.trace.json.gz ... [--json OUT.json]
 """
@@ -102,7 +106,70 @@ def summarize(events: list[dict[str, Any]], top: int = 10) -> dict[str, Any]:
                          "mean_us": round(t / n, 2)}
                         for k, (n, t) in sorted(names.items(), key=lambda kv: -kv[1][1])[:top]],
         "other_streams": len(streams) - 1,
+        "per_launch": per_launch(events),
     }
+
+
+def _median(values: list[float]) -> float | None:
+    if not values:
+        return None
+    v = sorted(values)
+    mid = len(v) // 2
+    return v[mid] if len(v) % 2 else (v[mid - 1] + v[mid]) / 2
+
+
+def per_launch(events: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Each CUDA-graph launch on the GPU and on the host, matched by the profiler's correlation
+    id (every kernel of a graph carries its ``cudaGraphLaunch``'s). Per launch: the graph's span
+    on the GPU from its first kernel to its last, the part of that span with no kernel running
+    (``inner_idle``: the graph's own dependencies and launch gaps), the GPU's idle time before
+    the graph since its last activity of any kind (``idle_before``), and the host's side of
+    that idle time: when the host called ``cudaGraphLaunch`` against when the GPU ran out of
+    work (``host_late``: positive when the call came after the GPU went idle, so the GPU waited
+    for the host) and how long after that call the first kernel ran (``launch_to_kernel``).
+    Medians in us over the launches; None if the trace has no correlated graph launches."""
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") == "cuda_runtime" and e.get("name") == "cudaGraphLaunch"
+                and "correlation" in e.get("args", {})}
+    if not launches:
+        return None
+    gpu = sorted((e for e in events if e.get("cat") in GPU_CATEGORIES), key=lambda e: e["ts"])
+    kernels: dict[Any, list[dict[str, Any]]] = defaultdict(list)
+    for e in gpu:
+        corr = e.get("args", {}).get("correlation")
+        if corr in launches:
+            kernels[corr].append(e)
+    graphs = sorted((min(e["ts"] for e in ks), corr) for corr, ks in kernels.items())
+    if not graphs:
+        return None
+    rows: dict[str, list[float]] = defaultdict(list)
+    gpu_ends = [(e["ts"], e["ts"] + e["dur"]) for e in gpu]
+    i, latest_end = 0, None
+    for start, corr in graphs:
+        ks = kernels[corr]
+        end = max(e["ts"] + e["dur"] for e in ks)
+        busy, _ = busy_and_gaps([(e["ts"], e["dur"]) for e in ks])
+        rows["span"].append(end - start)
+        rows["busy"].append(busy)
+        rows["inner_idle"].append(end - start - busy)
+        while i < len(gpu_ends) and gpu_ends[i][0] < start:  # GPU work begun before the graph
+            latest_end = gpu_ends[i][1] if latest_end is None else max(latest_end, gpu_ends[i][1])
+            i += 1
+        call = launches[corr]
+        rows["launch_to_kernel"].append(start - call["ts"])
+        if latest_end is not None:
+            rows["idle_before"].append(max(0.0, start - latest_end))
+            rows["host_late"].append(call["ts"] - latest_end)
+    out: dict[str, Any] = {"launches": len(graphs)}
+    for key in ("span", "busy", "inner_idle", "idle_before", "host_late", "launch_to_kernel"):
+        m = _median(rows[key])
+        out[f"{key}_us"] = None if m is None else round(m, 1)
+    late = rows["host_late"]
+    out["host_late_share"] = round(sum(x > 0 for x in late) / len(late), 3) if late else None
+    out["mean_idle_before_us"] = (round(sum(rows["idle_before"]) / len(rows["idle_before"]), 1)
+                                  if rows["idle_before"] else None)
+    out["mean_inner_idle_us"] = round(sum(rows["inner_idle"]) / len(rows["inner_idle"]), 1)
+    return out
 
 
 def table(rows: dict[str, dict[str, Any]]) -> str:
@@ -135,6 +202,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{path}: {e}", file=sys.stderr)
             return 2
     print(table(rows))
+    for name, s in rows.items():
+        if (pl := s.get("per_launch")) is not None:
+            print(f"\n{name}: per graph launch (medians, us): " + ", ".join(
+                f"{k} {v}" for k, v in pl.items()))
     for name, s in rows.items():
         print(f"\n{name}: top kernels")
         for k in s["top_kernels"]:

@@ -90,3 +90,49 @@ def test_the_command_reads_gzipped_traces_and_writes_a_table_and_json(tmp_path: 
     assert "| trace | window ms | graph launches |" in printed and "layerkv" in printed
     summaries = json.loads(out.read_text())
     assert [s["idle_per_launch_ms"] for s in summaries.values()] == [0.04, 0.072]
+
+
+def correlated_steps(steps: int, inner_gap_us: float, launch_lead_us: float,
+                     between_us: float = 20.0) -> list[dict]:
+    """One graph launch per step with three kernels that carry its correlation id,
+    ``inner_gap_us`` apart; the host calls cudaGraphLaunch ``launch_lead_us`` before the
+    graph's first kernel, and ``between_us`` of GPU idle time
+    separate the steps. Each step's input copy runs before its graph, outside it."""
+    events, t = [], 1000.0
+    for step in range(steps):
+        events.append({"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": t,
+                       "dur": 2.0, "pid": 0, "tid": 7, "args": {"correlation": 10_000 + step}})
+        t += 2.0 + between_us
+        events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch",
+                       "ts": t - launch_lead_us, "dur": 5.0, "pid": 1, "tid": 1,
+                       "args": {"correlation": step}})
+        for name, dur in ((GEMM, 30.0), (ATTN, 10.0), (GEMM, 30.0)):
+            events.append({"ph": "X", "cat": "kernel", "name": name, "ts": t, "dur": dur,
+                           "pid": 0, "tid": 7, "args": {"correlation": step}})
+            t += dur + inner_gap_us
+        t -= inner_gap_us
+    return events
+
+
+def test_per_launch_separates_gaps_inside_a_graph_from_a_late_host() -> None:
+    ahead = decode_profile.per_launch(correlated_steps(10, inner_gap_us=0.5,
+                                                       launch_lead_us=2000.0))
+    assert ahead["launches"] == 10
+    assert ahead["busy_us"] == 70.0 and ahead["span_us"] == 71.0
+    assert ahead["inner_idle_us"] == 1.0  # two gaps of 0.5 us inside each graph
+    assert ahead["idle_before_us"] == 20.0  # after the input copy, before the graph
+    assert ahead["launch_to_kernel_us"] == 2000.0
+    assert ahead["host_late_us"] < 0 and ahead["host_late_share"] == 0.0
+    wider = decode_profile.per_launch(correlated_steps(10, inner_gap_us=2.5,
+                                                       launch_lead_us=2000.0))
+    assert wider["inner_idle_us"] == 5.0 and wider["busy_us"] == 70.0
+    late = decode_profile.per_launch(correlated_steps(10, inner_gap_us=0.5,
+                                                      launch_lead_us=5.0))
+    # the call came 15 us after the input copy ended: the GPU waited for the host
+    assert late["host_late_us"] == 15.0 and late["host_late_share"] == 1.0
+    assert late["launch_to_kernel_us"] == 5.0
+
+
+def test_per_launch_needs_correlated_graph_launches() -> None:
+    assert decode_profile.per_launch(simulated_steps(5, gap_us=50.0)) is None
+    assert decode_profile.summarize(simulated_steps(5, gap_us=50.0))["per_launch"] is None
