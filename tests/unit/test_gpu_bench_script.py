@@ -3,8 +3,9 @@ its results packed, so a run that hits its time limit still keeps what it measur
 servers it left behind are stopped, but no one else's. Runs the script with stand-ins for
 nvidia-smi and python3 (a benchmark that starts a "server" in a session of its own, as vLLM
 servers are started, and never ends). Also: MODEL is required, the extra vLLM flags and the
-command file, and the two sweeps (sweep_slow_links.sh, sweep_four_gpus.sh): their commands,
-checked against ttft_bench.py's parser and layouts, and their time limit."""
+command file, and the sweeps (sweep_slow_links.sh, sweep_four_gpus.sh,
+sweep_decode_graphs.sh): their commands, checked against ttft_bench.py's parser and layouts,
+and their time limit."""
 
 from __future__ import annotations
 
@@ -169,7 +170,8 @@ def test_model_is_required_and_must_hold_a_config(tmp_path: Path) -> None:
     env.update(OUT=str(tmp_path / "out"), BENCH=str(tmp_path / "bench"))
     for model in (None, str(tmp_path / "nowhere")):
         run_env = env if model is None else {**env, "MODEL": model}
-        for script in ("gpu_bench.sh", "sweep_slow_links.sh", "sweep_four_gpus.sh"):
+        for script in ("gpu_bench.sh", "sweep_slow_links.sh", "sweep_four_gpus.sh",
+                       "sweep_decode_graphs.sh"):
             r = subprocess.run(["bash", f"benchmarks/{script}", "single", "--"], cwd=ROOT,
                                env=run_env, capture_output=True, text=True, timeout=30)
             assert r.returncode == 2, (script, r.stdout, r.stderr)
@@ -381,3 +383,60 @@ def test_torch_profile_probes_record_the_generating_instance_during_their_point(
     assert not list(raw.iterdir())  # moved, not copied
     assert not (out / "r1" / "torch_profile_layerkv_pt2").exists() or not list(
         (out / "r1" / "torch_profile_layerkv_pt2").glob("*.gz"))
+
+
+def test_the_decode_graph_sweep_profiles_each_configuration_on_one_gpu_pair(
+        tmp_path: Path, model: Path) -> None:
+    commands = sweep_commands("sweep_decode_graphs.sh", tmp_path, model)
+    runs = bench_runs(commands)
+    assert [(run, configs) for run, configs, _ in runs] == [
+        ("01_c1_graphs", ["nixl", "layerkv", "layerkv-tcp"])]
+    check_runs(runs, model, gpus=2)
+    options = runs[0][2]
+    args = load("ttft_bench").parse_args(["--device", "cuda", "--model", str(model),
+                                          "--configs", "nixl", "--out", "/tmp/x", *options])
+    assert args.cuda_graphs
+    (c, i, o, _), = args.load
+    env = dict(word.split("=", 1) for word in commands[0][1:commands[0].index("bash")])
+    # the profiled points are the load points as ttft_bench.py names them, one per configuration
+    assert env["TORCH_PROFILE_POINTS"].split() == [
+        f"{name}_c{c}_in{i}_out{o}" for name in ("nixl", "layerkv", "layerkv-tcp")]
+    assert env["TORCH_PROFILE_SECONDS"] == "1.5"
+    last = commands[-1]
+    assert [w for w in last if w.endswith(".py")] == ["benchmarks/decode_profile.py"]
+    assert last[last.index("--json") + 1].endswith("decode_profile.json")
+
+
+def test_the_decode_graph_sweep_summarises_the_traces_its_run_recorded(
+        tmp_path: Path, model: Path) -> None:
+    """The benchmark stand-in leaves a trace for one configuration only: the summary step gets
+    exactly that trace; with none, it is skipped and says why."""
+    out = tmp_path / "out"
+    bin_dir = recording_bin(tmp_path)
+    trace_dir = '"$OUT/$RUN/torch_profile_layerkv_c1_in4096_out512"'
+    (bin_dir / "python3").write_text(
+        "#!/bin/bash\n"
+        'printf "%s\\n" "$@" >> "$CALLS"; echo "----" >> "$CALLS"\n'
+        f'if [ "$1" = benchmarks/ttft_bench.py ] && [ -n "${{TRACE:-}}" ]; then\n'
+        f'  mkdir -p {trace_dir}; touch {trace_dir}/rank0.1.pt.trace.json.gz; fi\n')
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(out),
+           "MODEL": str(model), "CALLS": str(tmp_path / "calls"), "SWEEP_TIMEOUT": "600",
+           "SWEEP_MARGIN": "0", "BENCH": str(tmp_path / "bench"), "TRACE": "1"}
+    r = subprocess.run(["bash", "benchmarks/sweep_decode_graphs.sh"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    bench, summary = calls(tmp_path / "calls")
+    assert bench[0] == "benchmarks/ttft_bench.py"
+    assert summary == [
+        "benchmarks/decode_profile.py",
+        str(out / "01_c1_graphs" / "torch_profile_layerkv_c1_in4096_out512"
+            / "rank0.1.pt.trace.json.gz"),
+        "--json", str(out / "decode_profile.json")]
+
+    out2 = tmp_path / "out2"
+    r = subprocess.run(["bash", "benchmarks/sweep_decode_graphs.sh"], cwd=ROOT,
+                       env={**env, "OUT": str(out2), "TRACE": "", "CALLS": str(tmp_path / "c2")},
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert [argv[0] for argv in calls(tmp_path / "c2")] == ["benchmarks/ttft_bench.py"]
+    assert "02_decode_profile: skipped, no trace was recorded" in (out2 / "sweep.log").read_text()

@@ -1,0 +1,45 @@
+#!/bin/bash
+# D's decode steps under each way the KV reaches it, in one call, on a host with two GPUs,
+# from the project root:
+#   MODEL=/path/to/llama8b OUT=/tmp/out SWEEP_TIMEOUT=900 bash benchmarks/sweep_decode_graphs.sh
+# Why: LayerKV's D takes about 0.17 ms longer per decode step than NixlConnector's. It runs the
+# same kernels in the same time, but with longer gaps between them inside its CUDA graph
+# (benchmarks/results/2026-11-27-x4-h200-decode-graphs). In LayerKV's CUDA IPC path P maps D's KV.
+# In NixlConnector's path D maps P's, and over LayerKV's TCP transport nothing maps D's memory.
+# GPUs differ from each other by about as much as the effect, so every configuration runs on
+# the same pair, one after the other:
+#   1. CONFIGS (default: nixl layerkv layerkv-tcp) with CUDA graphs, each with a c=1 decode
+#      point (6 requests of 4,096 + 512 tokens) whose decoding instance the torch profiler
+#      records for TORCH_PROFILE_SECONDS (1.5) from TORCH_PROFILE_DELAY (5) seconds in;
+#   2. decode_profile.py over every trace: $OUT/decode_profile.json and its table, with the
+#      per-launch view (idle inside each graph against idle before it).
+# The steady-step medians (client side) are in $OUT/01_c1_graphs/bench.log and summary.json.
+set -uo pipefail
+source "$(dirname "$0")/sweep_common.sh"
+read -r -a configs <<<"${CONFIGS:-nixl layerkv layerkv-tcp}"
+LOAD=${LOAD:-1:4096:512:6}
+point="c${LOAD%%:*}_in$(cut -d: -f2 <<<"$LOAD")_out$(cut -d: -f3 <<<"$LOAD")"
+points=()
+for c in "${configs[@]}"; do points+=("${c}_$point"); done
+export TORCH_PROFILE_POINTS="${points[*]}"
+export TORCH_PROFILE_SECONDS=${TORCH_PROFILE_SECONDS:-1.5}
+export TORCH_PROFILE_DELAY=${TORCH_PROFILE_DELAY:-5}
+note "decode-graph sweep into $OUT, ${SWEEP_TIMEOUT} s in all: ${configs[*]}"
+
+bench_step 01_c1_graphs 240 "${configs[@]}" -- --cuda-graphs --prompt-lens 4096 \
+  --num-prompts 2 --identity 0 --load "$LOAD" --start-timeout 200
+
+traces=()
+for p in "${points[@]}"; do
+  for t in "$OUT/01_c1_graphs/torch_profile_$p"/*.pt.trace.json*; do
+    [ -e "$t" ] && traces+=("$t")
+  done
+done
+if [ "$DRY_RUN" = 1 ] || [ ${#traces[@]} -gt 0 ]; then
+  [ ${#traces[@]} -eq 0 ] && traces=("$OUT/01_c1_graphs/torch_profile_<point>/<trace>")
+  plain_step 02_decode_profile 10 300 python3 benchmarks/decode_profile.py "${traces[@]}" \
+    --json "$OUT/decode_profile.json"
+else
+  note "02_decode_profile: skipped, no trace was recorded (see $OUT/01_c1_graphs.gpu_bench.log)"
+fi
+note "done"
