@@ -7,7 +7,10 @@ A step at one request is bound by the GPU, so a GPU that runs at other clocks wo
 its D's GPU does the copying of each request's KV (UCX's cuda_ipc reads), where LayerKV's D
 GPU receives writes that P's GPU makes, and a GPU's clocks follow how busy it is. This records
 what NVML reports every ``INTERVAL_S`` while a point runs, so that the load and rate points say
-whether the GPUs ran at the same clocks in every configuration.
+whether the GPUs ran at the same clocks in every configuration. (They did: every D GPU at its
+maximum, 1,980 MHz on H200, under both connectors; the difference was in D's CUDA graph,
+benchmarks/results/2026-11-27-x4-h200-decode-graphs. Clocks still matter elsewhere: a busy P
+runs at its power cap.)
 
 NVML comes from ``pynvml`` (nvidia-ml-py), or else the copy vLLM ships
 (``vllm.third_party.pynvml``). Where neither loads or NVML does not start (no NVIDIA driver), a
