@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -110,14 +111,6 @@ def summarize(events: list[dict[str, Any]], top: int = 10) -> dict[str, Any]:
     }
 
 
-def _median(values: list[float]) -> float | None:
-    if not values:
-        return None
-    v = sorted(values)
-    mid = len(v) // 2
-    return v[mid] if len(v) % 2 else (v[mid - 1] + v[mid]) / 2
-
-
 def per_launch(events: list[dict[str, Any]]) -> dict[str, Any] | None:
     """Each CUDA-graph launch on the GPU and on the host, matched by the profiler's correlation
     id (every kernel of a graph carries its ``cudaGraphLaunch``'s). Per launch: the graph's span
@@ -162,8 +155,7 @@ def per_launch(events: list[dict[str, Any]]) -> dict[str, Any] | None:
             rows["host_late"].append(call["ts"] - latest_end)
     out: dict[str, Any] = {"launches": len(graphs)}
     for key in ("span", "busy", "inner_idle", "idle_before", "host_late", "launch_to_kernel"):
-        m = _median(rows[key])
-        out[f"{key}_us"] = None if m is None else round(m, 1)
+        out[f"{key}_us"] = round(statistics.median(rows[key]), 1) if rows[key] else None
     late = rows["host_late"]
     out["host_late_share"] = round(sum(x > 0 for x in late) / len(late), 3) if late else None
     out["mean_idle_before_us"] = (round(sum(rows["idle_before"]) / len(rows["idle_before"]), 1)
