@@ -4,11 +4,14 @@
 #   MODEL=/path/to/llama8b OUT=/tmp/out SWEEP_TIMEOUT=900 bash benchmarks/sweep_decode_graphs.sh
 # Why: LayerKV's D takes about 0.17 ms longer per decode step than NixlConnector's. It runs the
 # same kernels in the same time, but with longer gaps between them inside its CUDA graph
-# (benchmarks/results/2026-11-27-x4-h200-decode-graphs). In LayerKV's CUDA IPC path P maps D's KV.
-# In NixlConnector's path D maps P's, and over LayerKV's TCP transport nothing maps D's memory.
-# GPUs differ from each other by about as much as the effect, so every configuration runs on
-# the same pair, one after the other:
-#   1. CONFIGS (default: nixl layerkv layerkv-tcp) with CUDA graphs, each with a c=1 decode
+# (benchmarks/results/2026-11-27-x4-h200-decode-graphs). The short gaps go with D's CUDA context
+# mapping P's KV, as NixlConnector's D does over UCX's cuda_ipc: without that mapping
+# (nixl-tcp, layerkv, layerkv-tcp) D has the long ones
+# (benchmarks/results/2026-11-27-x2-h200-decode-mapping). layerkv-reads is LayerKV with
+# cuda_ipc_reads, where D maps P's KV and copies each group itself. GPUs differ from each other
+# by about as much as the effect, so every configuration runs on the same pair, one after the
+# other:
+#   1. CONFIGS (default: nixl layerkv layerkv-reads) with CUDA graphs, each with a c=1 decode
 #      point (6 requests of 4,096 + 512 tokens) whose decoding instance the torch profiler
 #      records for TORCH_PROFILE_SECONDS (1.5) from TORCH_PROFILE_DELAY (5) seconds in;
 #   2. decode_profile.py over every trace: $OUT/decode_profile.json and its table, with the
@@ -16,7 +19,7 @@
 # The steady-step medians (client side) are in $OUT/01_c1_graphs/bench.log and summary.json.
 set -uo pipefail
 source "$(dirname "$0")/sweep_common.sh"
-read -r -a configs <<<"${CONFIGS:-nixl layerkv layerkv-tcp}"
+read -r -a configs <<<"${CONFIGS:-nixl layerkv layerkv-reads}"
 LOAD=${LOAD:-1:4096:512:6}
 point="c${LOAD%%:*}_in$(cut -d: -f2 <<<"$LOAD")_out$(cut -d: -f3 <<<"$LOAD")"
 points=()

@@ -29,6 +29,8 @@ Configurations (``--configs``):
   layerkv-auth, layerkv-tcp-auth  layerkv / layerkv-tcp with a shared secret on P and D
                (LAYERKV_AUTH_SECRET, a random one per run): the cost of authentication
   layerkv-noearly   same with early_release=false (D reports a request only once its KV is in)
+  layerkv-reads     same with cuda_ipc_reads=true (D maps P's KV and copies each group itself,
+                    as NixlConnector's D does, instead of P writing into D's memory)
   layerkv-ft   same behind the proxy with --first-token-from-prefill (the client's first token
                is P's; D continues from it)
   layerkv-nixl      same with transport=nixl (UCX's default transports: CUDA IPC between GPUs)
@@ -353,6 +355,7 @@ LAYERKV_CONFIGS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
     "layerkv-auth": ({}, {"LAYERKV_AUTH_SECRET": AUTH_SECRET}),
     "layerkv-tcp-auth": ({"transport": "tcp"}, {"LAYERKV_AUTH_SECRET": AUTH_SECRET}),
     "layerkv-noearly": ({"early_release": False}, {}),
+    "layerkv-reads": ({"cuda_ipc_reads": True}, {}),
     "layerkv-ft": ({}, {}),
     "layerkv-nixl": ({"transport": "nixl"}, {}),
     "layerkv-nixl-tcp": ({"transport": "nixl"}, {"UCX_TLS": "tcp,cuda_copy,self"}),

@@ -131,7 +131,8 @@ def run_p(spec: dict, endpoint: str) -> None:
                       "gbps": nbytes / seconds / 1e9, "transport": transport.name,
                       "warmup_seconds": t_setup,
                       "direct": bool(getattr(channel, "direct", False)),
-                      "bounces": bool(getattr(channel, "bounces", False))}), flush=True)
+                      "bounces": bool(getattr(channel, "bounces", False)),
+                      "reads": bool(getattr(channel, "reads", False))}), flush=True)
     sender.shutdown()
     transport.shutdown()
 

@@ -96,6 +96,18 @@ def test_scattered_blocks_use_the_gather_path() -> None:
     assert_exact(d_res, 2)
 
 
+def test_decode_reads_copies_device_to_device_byte_exact() -> None:
+    """cuda_ipc_reads: D maps P's KV and copies each group itself (contiguous and scattered
+    blocks)."""
+    src = list(range(0, 600, 3))[:150]
+    dst = list(range(1000, 400, -4))[:150]
+    p_res, d_res = run_pair("cuda_ipc", [contiguous(256), {"src": src, "dst": dst}],
+                            config={"cuda_ipc_reads": True})
+    assert p_res["direct"] and p_res["reads"]
+    assert all(s == "acked" for s in p_res["states"].values()), p_res["states"]
+    assert_exact(d_res, 2)
+
+
 def test_tcp_forced_sends_bytes_through_pinned_staging() -> None:
     p_res, d_res = run_pair("tcp", [contiguous(256)])
     assert not p_res["direct"] and p_res["transport"] == "tcp"

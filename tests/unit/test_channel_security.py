@@ -503,7 +503,8 @@ def test_max_transfer_blocks_bounds_what_both_listeners_read(
     sock.close()
     assert "registration connection from 127.0.0.1 failed" in caplog.text
     assert "data listener dropped the connection from 127.0.0.1" in caplog.text
-    for names in ("Register / Cancel this", "BlockData / DirectWrite / DirectWritten / "):
+    for names in ("Register / Cancel this",
+                  "BlockData / DirectWrite / DirectRead / DirectWritten / "):
         assert f"B, the largest {names}" in caplog.text
     assert caplog.text.count("with at most max_transfer_blocks=64 block ids; if real "
                              "transfers carry more, raise max_transfer_blocks on this "

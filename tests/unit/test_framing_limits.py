@@ -29,11 +29,13 @@ from vllm_layerkv.wire.protocol import (
     BLOCK_ID_BYTES,
     LIMITS,
     MESSAGE_BYTES,
+    PLANE_EXPORTS_BYTES,
     PREFILL_TO_DECODE,
     REASON_CHARS,
     BlockData,
     Cancel,
     CompatInfo,
+    DirectRead,
     DirectWrite,
     DirectWritten,
     FirstToken,
@@ -108,11 +110,14 @@ def largest_honest(kind: type, limits: MessageLimits = LIMITS) -> object:
         FirstToken: lambda: FirstToken(transfer_id=LONG_ID, token_id=2**40),
         Hello: lambda: Hello(compat=largest_compat(), engine_id=LONG_ID, tp_rank=2**31,
                              tp_size=2**31, host_id=LONG_ID,
-                             direct=["cuda_ipc", "nixl", "mooncake"]),
+                             direct=["cuda_ipc", "nixl", "mooncake"],
+                             exports=[KVExport(host_id=LONG_ID, device_uuid="GPU-" + "f" * 36,
+                                               num_blocks=2**31, block_bytes=2**31,
+                                               layers=[ipc] * 512)]),
         HelloAck: lambda: HelloAck(tp_rank=2**31, exports=[
             KVExport(host_id=LONG_ID, device_uuid="GPU-" + "f" * 36, num_blocks=2**31,
                      block_bytes=2**31, layers=[ipc] * 512, ring=ipc, ring_slots=64,
-                     ring_slot_bytes=2**32),
+                     ring_slot_bytes=2**32, reads=True),
             NixlExport(agent_name="layerkv-" + "f" * 12, agent_metadata=b"\xff" * (256 << 10),
                        mem_type="VRAM", device_id=7, num_blocks=2**31, block_bytes=2**31,
                        layer_addrs=[2**63] * 512, ring_addr=2**63, ring_slots=64,
@@ -127,6 +132,8 @@ def largest_honest(kind: type, limits: MessageLimits = LIMITS) -> object:
         DirectWrite: lambda: DirectWrite(transfer_id=LONG_ID, seq=2**62, layers=layers,
                                          dst_blocks=blocks, first_head=2**31, num_heads=2**31,
                                          nbytes=2**62, plane="mooncake"),
+        DirectRead: lambda: DirectRead(transfer_id=LONG_ID, seq=2**62, layers=layers,
+                                       src_blocks=blocks, dst_blocks=blocks),
         WriteGrant: lambda: WriteGrant(seq=2**62, ok=True, slot=2**31),
         DirectWritten: lambda: DirectWritten(transfer_id=LONG_ID, seq=2**62, nbytes=2**62),
         TransferNearlyDone: lambda: TransferNearlyDone(transfer_id=LONG_ID, tp_rank=2**31,
@@ -170,11 +177,15 @@ def test_every_message_type_has_a_limit_and_control_messages_are_small() -> None
     for kind in (Cancel, RegisterAck, Refused, FirstToken, WriteGrant, DirectWritten,
                  TransferNearlyDone, TransferDone, TransferAbort, TransferAck):
         assert LIMITS.of(kind) <= 16 << 10, kind
-    assert LIMITS.of(Hello) <= 32 << 10
+    # a Hello carries the sender's KV export (cuda_ipc_reads), as large as a HelloAck's
+    assert LIMITS.of(Hello) <= PLANE_EXPORTS_BYTES + (32 << 10)
     assert LIMITS.of(Register) < 2 << 20  # 262,144 block ids by default
     big = MessageLimits(max_transfer_blocks=1 << 20)
     for kind in (Register, BlockData, DirectWrite):
         assert big.of(kind) - LIMITS.of(kind) == BLOCK_ID_BYTES * ((1 << 20) - (1 << 18))
+    # a DirectRead lists P's blocks and D's
+    assert big.of(DirectRead) - LIMITS.of(DirectRead) == 2 * BLOCK_ID_BYTES * (
+        (1 << 20) - (1 << 18))
 
 
 @pytest.mark.parametrize("kind", list(MESSAGE_BYTES), ids=lambda k: k.__name__)
@@ -221,7 +232,7 @@ def test_max_transfer_blocks_sets_the_largest_registration_and_frames(pair) -> N
     ((Register, Cancel), "Register / Cancel"),
     ((RegisterAck, Refused, FirstToken), "RegisterAck / Refused / FirstToken"),
     ((TransferAck, WriteGrant), "TransferAck / WriteGrant"),
-    (PREFILL_TO_DECODE, "BlockData / DirectWrite / DirectWritten"),
+    (PREFILL_TO_DECODE, "BlockData / DirectWrite / DirectRead / DirectWritten"),
 ], ids=["before-hello", "registrar", "register-client", "sender-acks", "data"])
 def test_length_header_over_what_the_connection_accepts_is_refused_before_reading(
         pair, kinds: tuple[type, ...], names: str) -> None:

@@ -390,7 +390,7 @@ def test_the_decode_graph_sweep_profiles_each_configuration_on_one_gpu_pair(
     commands = sweep_commands("sweep_decode_graphs.sh", tmp_path, model)
     runs = bench_runs(commands)
     assert [(run, configs) for run, configs, _ in runs] == [
-        ("01_c1_graphs", ["nixl", "layerkv", "layerkv-tcp"])]
+        ("01_c1_graphs", ["nixl", "layerkv", "layerkv-reads"])]
     check_runs(runs, model, gpus=2)
     options = runs[0][2]
     args = load("ttft_bench").parse_args(["--device", "cuda", "--model", str(model),
@@ -400,7 +400,7 @@ def test_the_decode_graph_sweep_profiles_each_configuration_on_one_gpu_pair(
     env = dict(word.split("=", 1) for word in commands[0][1:commands[0].index("bash")])
     # the profiled points are the load points as ttft_bench.py names them, one per configuration
     assert env["TORCH_PROFILE_POINTS"].split() == [
-        f"{name}_c{c}_in{i}_out{o}" for name in ("nixl", "layerkv", "layerkv-tcp")]
+        f"{name}_c{c}_in{i}_out{o}" for name in ("nixl", "layerkv", "layerkv-reads")]
     assert env["TORCH_PROFILE_SECONDS"] == "1.5"
     last = commands[-1]
     assert [w for w in last if w.endswith(".py")] == ["benchmarks/decode_profile.py"]

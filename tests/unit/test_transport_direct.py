@@ -5,8 +5,9 @@ CUDA IPC itself needs GPUs (tests/gpu/test_cuda_ipc.py runs it across two proces
 file checks is everything around the mapping, which is the same code on CPU: the handshake that
 offers and accepts D's KV, the grant protocol (``DirectWrite`` / ``WriteGrant`` /
 ``DirectWritten``) that lets D's ``RecvTable`` guard its blocks against a writer it does not
-drive, the fallbacks, and the block-copy function P uses. ``HostPeering`` stands in for the
-mapping only: "exporting" registers D's host tensors in this process, "mapping" looks them up.
+drive, the fallbacks, the block-copy function P uses, and D reading P's KV instead
+(``cuda_ipc_reads``: ``DirectRead``). ``HostPeering`` stands in for the mapping only:
+"exporting" registers a worker's host tensors in this process, "mapping" looks them up.
 (The NIXL and Mooncake planes run for real on CPU: test_transport_conformance.py.)
 """
 
@@ -43,69 +44,95 @@ from vllm_layerkv.tasks import RecvTask
 from vllm_layerkv.transport import create_transport
 from vllm_layerkv.transport.base import TransportError
 from vllm_layerkv.transport.cuda_ipc import MAX_RUN_COPIES, CudaIpcPlane, copy_blocks
-from vllm_layerkv.transport.direct import DirectUnavailable, PeerWriter, host_id, paired_runs
+from vllm_layerkv.transport.direct import (
+    READ_SIDES,
+    DirectUnavailable,
+    DirectWriteFailed,
+    PeerReader,
+    PeerWriter,
+    host_id,
+    paired_runs,
+)
 from vllm_layerkv.transport.tcp import TcpTransport
 from vllm_layerkv.wire import framing
 from vllm_layerkv.wire.auth import ChannelAuth, connect_handshake
 from vllm_layerkv.wire.planes import KVExport
-from vllm_layerkv.wire.protocol import DirectWrite, Hello, HelloAck, WriteGrant
+from vllm_layerkv.wire.protocol import DirectRead, DirectWrite, Hello, HelloAck, WriteGrant
 from vllm_layerkv.worker.receiver import RecvTable
 from vllm_layerkv.worker.sender import Sender, SenderParts, SenderTuning
 
 _EXPORTED: dict[str, list[torch.Tensor]] = {}
 
 
-class HostPeerKV(PeerWriter):
-    """What ``PeerKV`` is after mapping: D's blocks plus a copy on them. ``gate`` holds copies."""
+class HostPeerKV(PeerWriter, PeerReader):
+    """What ``PeerKV`` is after mapping: the peer's blocks plus a copy on them, either way.
+    ``gate`` holds copies; ``fail`` makes them fail as a device copy would."""
 
     def __init__(self, local: list[torch.Tensor], remote: list[torch.Tensor],
-                 gate: threading.Event | None):
-        self._src, self._dst, self._gate = local, remote, gate
+                 gate: threading.Event | None, fail: bool = False):
+        self._src, self._dst, self._gate, self._fail = local, remote, gate, fail
         self.description = "host-double"
         self.copies = 0
+        self.reads_done = 0
         self.in_copy = threading.Event()
 
     def write(self, layers: Sequence[int], src_blocks: Sequence[int],
               dst_blocks: Sequence[int]) -> int:
+        self._hold()
+        self.copies += 1
+        return copy_blocks(self._src, self._dst, layers, src_blocks, dst_blocks)
+
+    def read(self, layers: Sequence[int], src_blocks: Sequence[int],
+             dst_blocks: Sequence[int]) -> int:
+        self._hold()
+        n = copy_blocks(self._dst, self._src, layers, src_blocks, dst_blocks, READ_SIDES)
+        self.reads_done += 1
+        return n
+
+    def _hold(self) -> None:
         self.in_copy.set()
         if self._gate is not None:
             assert self._gate.wait(TIMEOUT)
-        self.copies += 1
-        return copy_blocks(self._src, self._dst, layers, src_blocks, dst_blocks)
+        if self._fail:
+            raise DirectWriteFailed("device copy failed: an illegal memory access (test)")
 
 
 class HostPeering(CudaIpcPlane):
     """``CudaIpcPlane`` with the CUDA IPC export / map replaced by an in-process registry."""
 
     def __init__(self, layout: KVLayout, gate: threading.Event | None = None,
-                 mappable: bool = True):
-        super().__init__(layout.block_tensors())
-        self._gate, self._mappable = gate, mappable
+                 mappable: bool = True, reads: bool = False, fail: bool = False):
+        super().__init__(layout.block_tensors(), reads=reads)
+        self._gate, self._mappable, self._fail = gate, mappable, fail
         self.mapped: list[HostPeerKV] = []
 
-    def prepare(self) -> None:
+    def export_local(self) -> KVExport:
         token = uuid.uuid4().hex
         _EXPORTED[token] = self.local
-        self._export = KVExport(host_id=host_id(), device_uuid=token,
-                                num_blocks=self.local[0].shape[0],
-                                block_bytes=self.local[0].shape[1], layers=[])
+        return KVExport(host_id=host_id(), device_uuid=token,
+                        num_blocks=self.local[0].shape[0],
+                        block_bytes=self.local[0].shape[1], layers=[])
 
-    def attach(self, export: KVExport) -> HostPeerKV:
+    def map_peer(self, export: KVExport, peer: str) -> HostPeerKV:
         if not self._mappable:
             raise DirectUnavailable("peer GPU not reachable (test)")
-        peer = HostPeerKV(self.local, _EXPORTED[export.device_uuid], self._gate)
-        self.mapped.append(peer)
-        return peer
+        mapped = HostPeerKV(self.local, _EXPORTED[export.device_uuid], self._gate, self._fail)
+        self.mapped.append(mapped)
+        return mapped
 
 
-def start_d(direct: bool = True, unknown_wait_s: float = 0.3) -> DSide:
+def start_d(direct: bool = True, unknown_wait_s: float = 0.3, **peering) -> DSide:
+    """``peering``: ``HostPeering``'s options for D's plane (``reads``, ``gate``, ``fail``...)."""
     layout = KVLayout.from_kv_caches(make_caches(0xA5), NUM_BLOCKS)
     stats = WorkerStats()
     table = RecvTable(compat(), tp_rank=0, tp_size=1, unknown_wait_s=unknown_wait_s,
                       stats=stats)
-    transport = TcpTransport([HostPeering(layout)] if direct else [])
+    plane = HostPeering(layout, **peering)
+    transport = TcpTransport([plane] if direct else [])
     endpoint = transport.start_receiver("127.0.0.1", 0, table, HostBlockIO(layout), 5.0)
-    return DSide(table, transport, endpoint, layout, stats)
+    d = DSide(table, transport, endpoint, layout, stats)
+    d.plane = plane  # type: ignore[attr-defined]
+    return d
 
 
 def start_p(required: bool = False, **peering) -> tuple[PSide, HostPeering]:
@@ -360,3 +387,124 @@ def test_hello_from_an_older_sender_still_decodes() -> None:
                                   "engine_id": "p", "tp_rank": 0, "tp_size": 1})
     hello = msgspec.msgpack.decode(enc, type=Hello)
     assert hello.direct == [] and hello.host_id == ""
+
+
+# ------------------------------------------------------------------------ decode reads
+
+
+def test_decode_that_reads_copies_every_group_itself_and_p_maps_nothing(sides) -> None:
+    """cuda_ipc_reads: P offers its KV, D maps it and copies each group on P's DirectRead;
+    the bytes, the ack and both sides' counters are those of a write."""
+    make_d, make_p = sides
+    d = make_d(reads=True)
+    p, p_plane = make_p()
+    src, dst = list(range(0, 20)), list(range(30, 50))
+    d.table.expect(RecvTask("req-a", "tid-a", dst))
+    push(p, [task("tid-a", d, src, dst, req_id="req-a")])
+    out = p.wait_state("tid-a", ["acked", "failed"])
+    assert out.state == "acked", out.reason
+    assert out.nbytes == NUM_LAYERS * len(src) * BLOCK_BYTES
+    assert d.drain_until(lambda f, x: bool(f or x)) == ({"req-a"}, set())
+    assert_copied(p, d, list(zip(src, dst)))
+    assert p_plane.mapped == []  # P mapped nothing of D's
+    [reader] = d.plane.mapped
+    assert reader.reads_done == 2 and reader.copies == 0  # D read each layer group
+    assert d.stats.take().data["bytes_received"] == out.nbytes
+    assert p.stats.take().data["bytes_sent"] == out.nbytes
+
+
+def test_decode_without_reads_is_written_to_although_p_offers_its_kv(sides) -> None:
+    make_d, make_p = sides
+    d = make_d()
+    p, p_plane = make_p()
+    d.table.expect(RecvTask("r", "t", [1, 2]))
+    push(p, [task("t", d, [5, 6], [1, 2], req_id="r")])
+    assert p.wait_state("t", ["acked", "failed"]).state == "acked"
+    assert len(p_plane.mapped) == 1 and p_plane.mapped[0].copies == 2
+    assert d.plane.mapped == []
+    assert_copied(p, d, [(5, 1), (6, 2)])
+
+
+def test_decode_that_cannot_map_the_prefill_is_written_to(sides) -> None:
+    make_d, make_p = sides
+    d = make_d(reads=True, mappable=False)
+    p, p_plane = make_p()
+    d.table.expect(RecvTask("r", "t", [1]))
+    push(p, [task("t", d, [5], [1], req_id="r")])
+    assert p.wait_state("t", ["acked", "failed"]).state == "acked"
+    assert len(p_plane.mapped) == 1  # P writes, as without the setting
+    assert_copied(p, d, [(5, 1)])
+
+
+def test_failed_read_fails_the_transfer_on_both_sides(sides) -> None:
+    make_d, make_p = sides
+    d = make_d(reads=True, fail=True)
+    p, _ = make_p()
+    d.table.expect(RecvTask("r", "t", [1, 2]))
+    push(p, [task("t", d, [5, 6], [1, 2], req_id="r")])
+    out = p.wait_state("t", ["acked", "failed"])
+    assert out.state == "failed"
+    assert d.drain_until(lambda f, x: bool(x)) == (set(), {"r"})
+    assert d.table._open == {}
+
+
+def test_read_naming_blocks_outside_either_kv_fails_and_copies_nothing(sides) -> None:
+    make_d, _ = sides
+    d = make_d(reads=True)
+    d.table.expect(RecvTask("r", "t", [1, 2]))
+    p_layout = KVLayout.from_kv_caches(make_caches(None, seed=1), NUM_BLOCKS)
+    p_plane = HostPeering(p_layout)
+    sock = framing.connect(d.endpoint, 2.0)
+    connect_handshake(sock, ChannelAuth(), 2.0)
+    framing.send_message(sock, Hello(compat=compat(), engine_id="raw", tp_rank=0, tp_size=1,
+                                     host_id=host_id(), direct=["cuda_ipc"],
+                                     exports=[p_plane.sender_export()]))
+    ack = framing.recv_message(sock)
+    assert isinstance(ack, HelloAck) and [e.reads for e in ack.exports] == [True]
+    framing.send_message(sock, DirectRead(transfer_id="t", seq=1, layers=[0],
+                                          src_blocks=[NUM_BLOCKS + 5, 0], dst_blocks=[1, 2]))
+    assert framing.recv_message(sock) == WriteGrant(seq=1, ok=False)
+    assert d.drain_until(lambda f, x: bool(x)) == (set(), {"r"})
+    assert_sentinel(d)
+    sock.close()
+
+
+def test_direct_read_to_a_decode_that_does_not_read_drops_the_connection(sides) -> None:
+    make_d, _ = sides
+    d = make_d()
+    d.table.expect(RecvTask("r", "t", [1]))
+    sock = framing.connect(d.endpoint, 2.0)
+    connect_handshake(sock, ChannelAuth(), 2.0)
+    framing.send_message(sock, Hello(compat=compat(), engine_id="raw", tp_rank=0, tp_size=1,
+                                     host_id=host_id(), direct=["cuda_ipc"]))
+    ack = framing.recv_message(sock)
+    assert isinstance(ack, HelloAck) and [e.reads for e in ack.exports] == [False]
+    framing.send_message(sock, DirectRead(transfer_id="t", seq=1, layers=[0], src_blocks=[3],
+                                          dst_blocks=[1]))
+    with pytest.raises((framing.PeerClosed, OSError)):
+        framing.recv_message(sock)
+    sock.close()
+    assert_sentinel(d)
+
+
+def test_close_waits_for_a_read_in_progress(sides) -> None:
+    """Memory safety with reads: D reports a transfer only once its own copy is done."""
+    make_d, make_p = sides
+    gate = threading.Event()
+    d = make_d(reads=True, gate=gate)
+    p, _ = make_p()
+    d.table.expect(RecvTask("r", "t", [3]))
+    push(p, [task("t", d, [7], [3], req_id="r")], groups=[(0, 1, 2, 3)], finish=False)
+    deadline = time.monotonic() + TIMEOUT
+    while not (d.plane.mapped and d.plane.mapped[0].in_copy.is_set()):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    closer = threading.Thread(target=d.table.close, args=("t", True, "kv_wait_timeout_s"))
+    closer.start()
+    closer.join(0.3)
+    assert closer.is_alive(), "close() returned while D was reading into the blocks"
+    gate.set()
+    closer.join(TIMEOUT)
+    assert not closer.is_alive()
+    assert d.table.drain() == (set(), {"r"})
+    assert_copied(p, d, [(7, 3)])

@@ -14,6 +14,14 @@ same with what torch already ships, so it needs nothing installed:
 * P copies on a side stream: one ``cudaMemcpyAsync`` per run of blocks adjacent on both sides
   (the common case: vLLM hands out free blocks in order), else a gather + scatter per layer.
 
+With ``cuda_ipc_reads`` on D the direction turns: P offers its own KV in ``Hello.exports``, D
+maps it on D's device and copies each group itself when P sends ``DirectRead`` (as
+NixlConnector's D does through UCX's cuda_ipc), and P maps nothing of D's. Why: a decode GPU
+whose CUDA context maps a peer's memory ran its decode graph with shorter gaps between kernels
+(benchmarks/results/2026-11-27-x2-h200-decode-mapping); which direction P/D copies in does not
+change the bytes or the bookkeeping, since D's answer to ``DirectRead`` comes only once the
+blocks are in.
+
 The control messages (write grants, done, acks) stay on the TCP connection (``tcp.py``); this
 module only maps memory and copies. Everything here runs in transport threads, never on the
 forward path.
@@ -21,7 +29,9 @@ forward path.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import msgspec
 import torch
@@ -30,9 +40,12 @@ from vllm_layerkv.common.log import init_logger
 from vllm_layerkv.kv.bounds import KVBounds
 from vllm_layerkv.kv.staging import RecvRing, gather
 from vllm_layerkv.transport.direct import (
+    READ_SIDES,
+    WRITE_SIDES,
     DirectPlane,
     DirectUnavailable,
     DirectWriteFailed,
+    PeerReader,
     PeerWriter,
     StagedWrite,
     check_copy,
@@ -45,6 +58,9 @@ from vllm_layerkv.transport.direct import (
 from vllm_layerkv.wire.planes import DirectExport, IpcTensor, KVExport
 from vllm_layerkv.wire.protocol import Hello
 
+if TYPE_CHECKING:
+    from vllm_layerkv.config import LayerKVConfig
+
 logger = init_logger(__name__)
 MAX_RUN_COPIES = 8
 """Up to this many paired runs per layer are copied with one memcpy each; more (scattered
@@ -53,14 +69,16 @@ blocks) switch to one gather + one scatter kernel per layer."""
 
 def copy_blocks(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor],
                 layers: Sequence[int], src_blocks: Sequence[int],
-                dst_blocks: Sequence[int]) -> int:
+                dst_blocks: Sequence[int], sides: tuple[str, str] = WRITE_SIDES) -> int:
     """Copy ``src[layer][src_blocks]`` into ``dst[layer][dst_blocks]`` for every layer, on the
     current stream; returns bytes copied. Tensors are ``[num_blocks, block_bytes]`` uint8.
-    Every index is checked against both sides first (DirectWriteFailed): a slice past the end
-    would copy less, a negative one wrap, and on a GPU ``index_copy_`` write out of bounds."""
+    Every index is checked against both sides first (DirectWriteFailed, naming the side as
+    ``sides`` does): a slice past the end would copy less, a negative one wrap, and on a GPU
+    ``index_copy_`` write out of bounds."""
     if len(src_blocks) != len(dst_blocks):
         raise ValueError("src_blocks and dst_blocks differ in length")
-    if not check_copy(KVBounds.of(src), KVBounds.of(dst), layers, src_blocks, dst_blocks):
+    if not check_copy(KVBounds.of(src), KVBounds.of(dst), layers, src_blocks, dst_blocks,
+                      sides):
         return 0
     runs = paired_runs(src_blocks, dst_blocks)
     if len(runs) <= MAX_RUN_COPIES:
@@ -91,21 +109,25 @@ def share(view: torch.Tensor) -> IpcTensor:
 
 
 def export_kv(blocks: Sequence[torch.Tensor]) -> KVExport:
-    """D side, once at start: IPC handles of every layer's ``[num_blocks, block_bytes]`` view."""
+    """IPC handles of every layer's ``[num_blocks, block_bytes]`` view: D's, once at start; with
+    ``cuda_ipc_reads``, P's too, once, for decode instances that read it."""
     first = blocks[0]
     return KVExport(host_id=host_id(), device_uuid=device_uuid(first.device),
                     num_blocks=first.shape[0], block_bytes=first.shape[1],
                     layers=[share(view) for view in blocks])
 
 
-class PeerKV(PeerWriter):
-    """P side: D's KV mapped into this process, and the stream P copies into it on."""
+class PeerKV(PeerWriter, PeerReader):
+    """Another worker's KV mapped into this process, and the stream this worker copies on: P
+    maps D's to write into it (``write``, ``post_staged``); with ``cuda_ipc_reads`` D maps P's
+    to read from it (``read``)."""
 
     plane = "cuda_ipc"
 
-    def __init__(self, export: KVExport, local: Sequence[torch.Tensor]):
+    def __init__(self, export: KVExport, local: Sequence[torch.Tensor], peer: str = "decode"):
+        """``peer``: whose KV ``export`` is ("decode" or "prefill"), for messages."""
         if export.host_id != host_id():
-            raise DirectUnavailable(f"decode runs on another host ({export.host_id})")
+            raise DirectUnavailable(f"{peer} runs on another host ({export.host_id})")
         if not local or local[0].device.type != "cuda":
             raise DirectUnavailable("this worker's KV is not on a CUDA device")
         if export.ring is None or export.block_bytes == local[0].shape[1]:
@@ -120,7 +142,7 @@ class PeerKV(PeerWriter):
             self._ring = (self._open(export.ring, export.ring_slots, export.ring_slot_bytes)
                           if export.ring is not None else None)
         except RuntimeError as e:  # not mappable here (no P2P, different container, ...)
-            raise DirectUnavailable(f"cannot map decode's KV through CUDA IPC: {e}") from None
+            raise DirectUnavailable(f"cannot map {peer}'s KV through CUDA IPC: {e}") from None
         self.ring_slots = export.ring_slots if self._ring is not None else 0
         self._stream = torch.cuda.Stream(self._device)
         self.description = f"CUDA IPC, peer GPU {export.device_uuid}"
@@ -169,9 +191,20 @@ class PeerKV(PeerWriter):
     def write(self, layers: Sequence[int], src_blocks: Sequence[int],
               dst_blocks: Sequence[int]) -> int:
         """Copy and wait until the bytes are in D's memory; returns bytes copied."""
+        return self._copy(self._src, self._dst, layers, src_blocks, dst_blocks, WRITE_SIDES)
+
+    def read(self, layers: Sequence[int], src_blocks: Sequence[int],
+             dst_blocks: Sequence[int]) -> int:
+        """D, ``cuda_ipc_reads``: copy P's blocks into this worker's and wait until they are
+        in; returns bytes copied."""
+        return self._copy(self._dst, self._src, layers, src_blocks, dst_blocks, READ_SIDES)
+
+    def _copy(self, src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor],
+              layers: Sequence[int], src_blocks: Sequence[int], dst_blocks: Sequence[int],
+              sides: tuple[str, str]) -> int:
         try:
             with torch.cuda.stream(self._stream):
-                n = copy_blocks(self._src, self._dst, layers, src_blocks, dst_blocks)
+                n = copy_blocks(src, dst, layers, src_blocks, dst_blocks, sides)
             self._stream.synchronize()
         except DirectWriteFailed:
             raise  # refused before anything was copied
@@ -180,20 +213,55 @@ class PeerKV(PeerWriter):
         return n
 
 
+class ReadByDecode(PeerWriter):
+    """P side, when D reads (``KVExport.reads``): D has mapped this worker's KV and copies each
+    group itself, so the channel sends ``DirectRead`` and nothing here moves bytes."""
+
+    plane = "cuda_ipc"
+    reads = True
+
+    def __init__(self, export: KVExport):
+        self.description = f"CUDA IPC, read by decode GPU {export.device_uuid}"
+
+    def write(self, layers: Sequence[int], src_blocks: Sequence[int],
+              dst_blocks: Sequence[int]) -> int:
+        raise DirectWriteFailed("decode reads this worker's KV itself (cuda_ipc_reads); the "
+                                "channel asks it with DirectRead")
+
+
 class CudaIpcPlane(DirectPlane):
     """Same-host device-to-device copies (``transport=auto|cuda_ipc`` with KV on CUDA)."""
 
     name = "cuda_ipc"
 
-    def __init__(self, local: Sequence[torch.Tensor]):
+    def __init__(self, local: Sequence[torch.Tensor], reads: bool = False):
         super().__init__(local)
+        self.reads = reads
+        """D: map each same-host sender's KV and copy from it (``cuda_ipc_reads``)."""
         self._export: KVExport | None = None
         self._ring_export: KVExport | None = None
+        self._sender_export: KVExport | None = None
+        self._lock = threading.Lock()
+        """P: the sender's export is made once, by whichever channel opens first."""
+
+    @classmethod
+    def from_config(cls, local: Sequence[torch.Tensor], config: LayerKVConfig,
+                    host_bounce: bool) -> CudaIpcPlane:
+        return cls(local, reads=config.cuda_ipc_reads)
+
+    def export_local(self) -> KVExport:
+        """This worker's KV as IPC handles (raises RuntimeError when CUDA cannot share it)."""
+        return export_kv(self.local)
+
+    def map_peer(self, export: KVExport, peer: str) -> PeerKV:
+        """Map another worker's KV (``peer``: "decode" or "prefill"; raises
+        DirectUnavailable)."""
+        return PeerKV(export, self.local, peer)
 
     def prepare(self) -> None:
         """D side, at start (main thread, before any forward pass)."""
         try:
-            self._export = export_kv(self.local)
+            self._export = self.export_local()
         except RuntimeError as e:
             raise DirectUnavailable(f"cannot export this worker's KV cache: {e}") from None
 
@@ -210,7 +278,46 @@ class CudaIpcPlane(DirectPlane):
                 ring_slot_bytes=ring.slot_bytes)
         return self._ring_export
 
-    def attach(self, export: DirectExport) -> PeerKV:
-        """P side: map a decode worker's export (raises DirectUnavailable)."""
+    def attach(self, export: DirectExport) -> PeerWriter:
+        """P side: map a decode worker's export (raises DirectUnavailable); when the decode
+        reads this worker's KV itself, there is nothing to map."""
         assert isinstance(export, KVExport)
-        return PeerKV(export, self.local)
+        if export.reads:
+            return ReadByDecode(export)
+        return self.map_peer(export, "decode")
+
+    def sender_export(self) -> KVExport | None:
+        """P side: this worker's KV, for decode instances that read it (made on first use)."""
+        with self._lock:
+            if self._sender_export is None:
+                try:
+                    self._sender_export = self.export_local()
+                except RuntimeError as e:
+                    logger.warning("LayerKV cuda_ipc: cannot export this worker's KV for "
+                                   "decode instances that read it (%s); they will be written "
+                                   "to instead", e)
+                    return None
+            return self._sender_export
+
+    def attach_reader(self, hello: Hello, tp_differs: bool) -> PeerKV | None:
+        """D side, ``cuda_ipc_reads``: map the sender's KV on this worker's device, when it
+        offered it and runs on this host with this worker's TP (head slices for another TP
+        go through the receive ring, which P writes). None: P writes, as without the
+        setting; the log says why."""
+        if not self.reads or self._export is None or hello.host_id != host_id():
+            return None
+        offered = next((e for e in hello.exports if isinstance(e, KVExport)), None)
+        why = ("it offered no KV" if offered is None else
+               "its TP differs from this worker's" if tp_differs else "")
+        reader = None
+        if not why:
+            try:
+                reader = self.map_peer(offered, "prefill")
+            except DirectUnavailable as e:
+                why = str(e)
+        if reader is None:
+            logger.warning("LayerKV cuda_ipc_reads: prefill rank %d writes into this worker "
+                           "instead (%s)", hello.tp_rank, why)
+            return None
+        reader.export = msgspec.structs.replace(self._export, layers=[], reads=True)
+        return reader

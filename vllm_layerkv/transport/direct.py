@@ -132,24 +132,31 @@ def check_geometry(plane: str, num_layers: int, block_bytes: int, local: Sequenc
             f"worker has {len(local)} x {local[0].shape[1]} B{hint}")
 
 
+WRITE_SIDES = ("this worker's KV", "decode's KV")
+"""How ``check_copy`` names the source and destination of a write from P into D."""
+READ_SIDES = ("prefill's KV", "this worker's KV")
+"""... and of a read by D from P (``cuda_ipc_reads``)."""
+
+
 def check_copy(src: KVBounds, dst: KVBounds, layers: Sequence[int], src_blocks: Sequence[int],
-               dst_blocks: Sequence[int]) -> int:
+               dst_blocks: Sequence[int], sides: tuple[str, str] = WRITE_SIDES) -> int:
     """A whole-block copy of every listed layer's ``src_blocks`` into ``dst_blocks``, checked
-    against both sides' KV before anything moves (raises DirectWriteFailed, naming the side);
-    returns its bytes."""
+    against both sides' KV before anything moves (raises DirectWriteFailed, naming the side
+    as ``sides`` does); returns its bytes."""
     if len(src_blocks) != len(dst_blocks):
         raise DirectWriteFailed("src_blocks and dst_blocks differ in length")
     if src.block_bytes != dst.block_bytes:
         raise DirectWriteFailed(f"whole blocks between ranks of different block sizes "
-                                f"({src.block_bytes} B here, {dst.block_bytes} B on decode)")
+                                f"({src.block_bytes} B in {sides[0]}, {dst.block_bytes} B in "
+                                f"{sides[1]})")
     try:
         src.check(layers, src_blocks)
     except BoundsError as e:
-        raise DirectWriteFailed(f"this worker's KV: {e}") from None
+        raise DirectWriteFailed(f"{sides[0]}: {e}") from None
     try:
         return dst.check(layers, dst_blocks)
     except BoundsError as e:
-        raise DirectWriteFailed(f"decode's KV: {e}") from None
+        raise DirectWriteFailed(f"{sides[1]}: {e}") from None
 
 
 def check_staged(local: KVBounds, layers: Sequence[int], src_blocks: Sequence[int],
@@ -205,6 +212,10 @@ class PeerWriter(ABC):
     plane: str = ""
     """The plane's name, sent with each ring write (D may hold a ring per plane)."""
 
+    reads: bool = False
+    """D copies the blocks itself from this worker's KV (``cuda_ipc_reads``): the channel sends
+    ``DirectRead`` and waits for D's answer instead of calling ``write``."""
+
     def write_staged(self, local_heads: int, layers: Sequence[int], src_blocks: Sequence[int],
                      src_head: int, num_heads: int, staging: torch.Tensor, slot: int) -> int:
         """Gather a head slice of every (layer, block) into ``staging`` and write it into slot
@@ -226,6 +237,25 @@ class PeerWriter(ABC):
 
     def close(self) -> None:
         """Forget the peer (its channel closed)."""
+
+
+class PeerReader(ABC):
+    """D side: one prefill rank's KV, mapped into this process (``cuda_ipc_reads``). Used by
+    that sender's connection thread only."""
+
+    export: DirectExport
+    """What D answers the sender with in ``HelloAck.exports``: the plane's export, saying that
+    D reads (P then sends ``DirectRead`` for each group)."""
+
+    @abstractmethod
+    def read(self, layers: Sequence[int], src_blocks: Sequence[int],
+             dst_blocks: Sequence[int]) -> int:
+        """Copy every listed layer's ``src_blocks`` of the peer's KV into this worker's
+        ``dst_blocks``; return only once the bytes are in this worker's memory. Returns bytes
+        copied; raises ``DirectWriteFailed``."""
+
+    def close(self) -> None:
+        """Forget the peer (its connection ended)."""
 
 
 class AddressedExport(Protocol):
@@ -430,6 +460,16 @@ class DirectPlane(ABC):
     @abstractmethod
     def attach(self, export: DirectExport) -> PeerWriter:
         """P side: reach a decode rank's KV (raises DirectUnavailable)."""
+
+    def sender_export(self) -> DirectExport | None:
+        """P side: this worker's own KV, offered in ``Hello.exports`` to a decode that reads
+        it itself; None when the plane has no such path."""
+        return None
+
+    def attach_reader(self, hello: Hello, tp_differs: bool) -> PeerReader | None:
+        """D side: map the sender's KV to copy each group from it, when this worker reads
+        (``cuda_ipc_reads``) and the sender offered its KV; None to let P write."""
+        return None
 
     host_bounce: bool = False
     """Whole blocks too go through D's receive ring in host memory (``AddressedPlane``)."""

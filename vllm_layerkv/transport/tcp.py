@@ -17,6 +17,9 @@ byte frame passes, and the grant holds the transfer open on D until P reports th
 complete (``DirectWritten``). So D never reports a transfer, and vLLM never reuses its blocks,
 while P may still be writing into them. When no plane works P sends bytes, unless the plane was
 required (``transport`` named it), in which case the transfer fails with every plane's reason.
+With ``cuda_ipc_reads`` D maps the KV P offers in its ``Hello`` instead, and copies each group
+itself when P sends ``DirectRead``; its ``WriteGrant`` then comes once the blocks are in, under
+the same ``begin_write`` / ``end_write`` bookkeeping.
 
 Every connection starts with the authentication handshake (``wire/auth.py``) before P's
 ``Hello``: D's listener admits a connection through a ``Gate`` (allowlist, ``max_connections``,
@@ -65,6 +68,8 @@ from vllm_layerkv.transport.base import (
 from vllm_layerkv.transport.direct import (
     DirectPlane,
     DirectUnavailable,
+    DirectWriteFailed,
+    PeerReader,
     PeerWriter,
     host_id,
 )
@@ -76,6 +81,7 @@ from vllm_layerkv.wire.admission import Gate, ListenerLimits, Slot, keepalive
 from vllm_layerkv.wire.auth import AuthError, ChannelAuth, connect_handshake
 from vllm_layerkv.wire.protocol import (
     BlockData,
+    DirectRead,
     DirectWrite,
     DirectWritten,
     Hello,
@@ -172,8 +178,10 @@ class TcpTransport(Transport):
                      on_ack: Callable[[TransferAck], None], on_lost: Callable[[str], None],
                      timeout: float, io_timeout: float) -> SendChannel:
         if self._planes:
+            offered = [p.sender_export() for p in self._planes]
             hello = msgspec.structs.replace(hello, host_id=host_id(),
-                                            direct=[p.name for p in self._planes])
+                                            direct=[p.name for p in self._planes],
+                                            exports=[e for e in offered if e is not None])
         try:
             sock = framing.connect(endpoint, timeout)
         except OSError as e:
@@ -220,7 +228,8 @@ class TcpTransport(Transport):
             except DirectUnavailable as e:
                 reasons.append(f"{plane.name}: {e}")
                 continue
-            logger.info("LayerKV: writing KV into decode %s directly via %s (%s)", endpoint,
+            logger.info("LayerKV: %s decode %s directly via %s (%s)",
+                        "KV read by" if writer.reads else "writing KV into", endpoint,
                         plane.name, writer.description)
             return writer
         why = "; ".join(reasons)
@@ -298,6 +307,8 @@ class TcpTransport(Transport):
         with the time by which one must be free."""
         rings: dict[str, RecvRing] = {}
         """plane name -> the receive ring offered to this sender with it."""
+        reader: PeerReader | None = None
+        """The sender's KV, mapped here, when this worker reads it (``cuda_ipc_reads``)."""
         hook = self._new_hook()
         assert self._gate is not None
         try:
@@ -318,6 +329,11 @@ class TcpTransport(Transport):
             for plane in self._planes:
                 if plane.name not in first.direct:
                     continue
+                if reader is None:  # this worker copies from the sender's KV (cuda_ipc_reads)
+                    reader = plane.attach_reader(first, tp_differs)
+                    if reader is not None:
+                        exports.append(reader.export)
+                        continue
                 ring = self._ring_for(blocks, plane, tp_differs)
                 export = plane.offer(first, ring)
                 if export is None:
@@ -338,6 +354,9 @@ class TcpTransport(Transport):
                                            limits=self._limits.messages)
                 if isinstance(msg, BlockData):
                     self._receive_blocks(conn, msg, sink, blocks, scratch, source)
+                elif isinstance(msg, DirectRead) and reader is not None:
+                    ok = self._read(msg, reader, sink, blocks, source)
+                    framing.send_message(conn, WriteGrant(seq=msg.seq, ok=ok, slot=-1))
                 elif isinstance(msg, DirectWrite) and exports:
                     ok = self._grant(msg, sink, blocks, source)
                     ring = rings.get(msg.plane) if msg.num_heads else None
@@ -385,6 +404,8 @@ class TcpTransport(Transport):
                 sink.on_source_lost(source, f"connection lost: {e}")
         finally:
             self._release_grants(granted, waiting, sink)
+            if reader is not None:
+                reader.close()
             self._gate.release(slot)
             with self._lock:
                 self._conns.discard(conn)
@@ -546,10 +567,30 @@ class TcpTransport(Transport):
         finally:
             ring.release(slot)
 
+    def _read(self, msg: DirectRead, reader: PeerReader, sink: ReceiveSink, blocks: BlockIO,
+              source: Source) -> bool:
+        """Copy the blocks P announced from its KV into this worker's, under the same
+        bookkeeping as a write P makes (``begin_write`` / ``end_write``); a failed copy fails
+        the transfer here. Returns whether the blocks are in."""
+        if not self._grant(msg, sink, blocks, source):
+            return False
+        nbytes, failure = 0, ""
+        try:
+            nbytes = reader.read(msg.layers, msg.src_blocks, msg.dst_blocks)
+        except (DirectWriteFailed, ValueError) as e:
+            failure = f"decode could not read the prefill's KV: {e}"
+        finally:
+            sink.end_write(msg.transfer_id, nbytes)
+        if failure:
+            sink.on_abort(msg.transfer_id, failure, source)
+            return False
+        return True
+
     @staticmethod
-    def _grant(msg: DirectWrite, sink: ReceiveSink, blocks: BlockIO, source: Source) -> bool:
+    def _grant(msg: DirectWrite | DirectRead, sink: ReceiveSink, blocks: BlockIO,
+               source: Source) -> bool:
         if any(not 0 <= layer < blocks.num_layers for layer in msg.layers):
-            raise TransportError(f"malformed DirectWrite for {msg.transfer_id}: layers "
+            raise TransportError(f"malformed {type(msg).__name__} for {msg.transfer_id}: layers "
                                  f"{msg.layers} outside 0..{blocks.num_layers - 1}")
         return sink.begin_write(msg.transfer_id, msg.dst_blocks, source)
 

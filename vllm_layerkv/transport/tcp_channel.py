@@ -4,10 +4,11 @@ or, through a direct-write plane, asks D for each write and writes into D's memo
 Per transfer and layer group the sender thread calls ``write_blocks`` (or ``start_slices`` /
 ``finish_slices`` for staged head slices), then ``send_done``. With a plane attached, every write
 is preceded by a ``DirectWrite`` request that D answers with a ``WriteGrant`` (``tcp.py``,
-D side), and followed by ``DirectWritten``; ring writes (staged slices) may be several in
-flight, each holding one of D's ring slots until D scattered it. Acks and grants arrive on
-this connection's ack-reader thread, the only other thread here; a lost connection fails every
-transfer on it through ``on_lost``.
+D side), and followed by ``DirectWritten``; when D reads (``cuda_ipc_reads``) a ``DirectRead``
+takes the place of all three, and D's answer comes once it has copied the blocks. Ring writes
+(staged slices) may be several in flight, each holding one of D's ring slots until D scattered
+it. Acks and grants arrive on this connection's ack-reader thread, the only other thread here;
+a lost connection fails every transfer on it through ``on_lost``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from vllm_layerkv.transport.pacing import TokenBucket
 from vllm_layerkv.wire import framing
 from vllm_layerkv.wire.protocol import (
     BlockData,
+    DirectRead,
     DirectWrite,
     DirectWritten,
     TransferAbort,
@@ -98,6 +100,11 @@ class TcpSendChannel(SendChannel):
     def bounces(self) -> bool:
         return self._writer is not None and self._writer.host_bounce
 
+    @property
+    def reads(self) -> bool:
+        """D copies the blocks itself from this worker's KV (``cuda_ipc_reads``)."""
+        return self._writer is not None and self._writer.reads
+
     def write_blocks(self, transfer_id: str, layers: Sequence[int], src_blocks: Sequence[int],
                      dst_blocks: Sequence[int]) -> int:
         if len(src_blocks) != len(dst_blocks):
@@ -125,8 +132,14 @@ class TcpSendChannel(SendChannel):
 
     def _write_direct(self, transfer_id: str, layers: Sequence[int], src_blocks: Sequence[int],
                       dst_blocks: Sequence[int]) -> int:
-        """Ask D for the blocks, write them through the plane, report the write complete."""
+        """Ask D for the blocks, write them through the plane, report the write complete; or,
+        when D reads (``cuda_ipc_reads``), ask D to copy them and wait until it has."""
         assert self._writer is not None
+        if self._writer.reads:
+            done = self._ask(DirectRead(transfer_id=transfer_id, seq=0, layers=list(layers),
+                                        src_blocks=list(src_blocks), dst_blocks=list(dst_blocks)))
+            # not ok: D closed the transfer, or failed it because its copy failed
+            return len(layers) * len(src_blocks) * self._blocks.block_bytes if done.ok else 0
         grant = self._ask(DirectWrite(transfer_id=transfer_id, seq=0, layers=list(layers),
                                       dst_blocks=list(dst_blocks)))
         seq = grant.seq
@@ -215,7 +228,7 @@ class TcpSendChannel(SendChannel):
             self._send(DirectWritten(transfer_id=pending.transfer_id, seq=seq, nbytes=written))
         return written
 
-    def _ask(self, request: DirectWrite, make_room: Callable[[], bool] | None = None
+    def _ask(self, request: DirectWrite | DirectRead, make_room: Callable[[], bool] | None = None
              ) -> WriteGrant:
         """Send ``request`` under the next sequence number and wait for D's grant. With
         ``make_room`` (the caller has ring writes in flight), a grant that does not come at
@@ -297,7 +310,7 @@ class TcpSendChannel(SendChannel):
             self._send(msg)
 
     def _send(self, msg: TransferNearlyDone | TransferDone | TransferAbort | DirectWrite
-              | DirectWritten) -> None:
+              | DirectRead | DirectWritten) -> None:
         try:
             framing.send_message(self._sock, msg)
         except OSError as e:

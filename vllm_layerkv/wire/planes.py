@@ -60,6 +60,10 @@ class KVExport(DirectExport, tag="cuda_ipc", kw_only=True):
     """D's receive ring for head slices (offered to a sender with another TP size)."""
     ring_slots: int = 0
     ring_slot_bytes: int = 0
+    reads: bool = False
+    """D has mapped the sender's KV (``Hello.exports``) and copies each group itself: P sends
+    ``DirectRead`` instead of writing (``cuda_ipc_reads`` on D). ``layers`` is then empty:
+    P maps nothing of D's."""
 
 
 class NixlExport(DirectExport, tag="nixl", kw_only=True):

@@ -15,6 +15,9 @@ Two channels use it:
   exports are registered in ``planes.py``) and P moves blocks itself: each write is bracketed
   by ``DirectWrite`` (P asks) / ``WriteGrant`` (D allows) / ``DirectWritten`` (P is done), so
   D's bookkeeping guards its blocks exactly as it does for bytes it receives.
+  When D reads instead (``cuda_ipc_reads``: P offers its own KV in ``Hello.exports``, D maps it
+  and says so in its export), P sends ``DirectRead`` for each group and D copies the blocks
+  itself before it answers with the ``WriteGrant``, which then means the bytes are in.
 
 Framing: a 4-byte big-endian length, then the msgpack-encoded message (a tagged union, so the
 receiver decodes without knowing the type). ``BlockData`` is followed by ``nbytes`` of payload.
@@ -36,7 +39,7 @@ import msgspec
 
 from vllm_layerkv.wire.planes import PlaneExports
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 FRAME_HEADER = struct.Struct("!I")
 
 
@@ -179,6 +182,9 @@ class Hello(msgspec.Struct, tag=True, kw_only=True):
     direct: list[str] = []
     """Direct-write planes P can drive, in P's order of preference ("cuda_ipc", "nixl",
     "mooncake"); empty: P only sends bytes."""
+    exports: list[PlaneExports] = []
+    """P's own KV, for a decode that reads it itself (a ``KVExport`` of P's cache, for D's
+    ``cuda_ipc_reads``); D ignores it unless that setting is on."""
 
 
 class HelloAck(msgspec.Struct, tag=True, kw_only=True):
@@ -222,8 +228,22 @@ class DirectWrite(msgspec.Struct, tag=True, kw_only=True):
     """For a ring write: the plane P writes with (D may have a ring per plane)."""
 
 
+class DirectRead(msgspec.Struct, tag=True, kw_only=True):
+    """P -> D, when D maps P's KV (``KVExport.reads``): copy ``layers`` x ``src_blocks`` of P's
+    KV into ``dst_blocks`` of yours now. D answers with ``WriteGrant`` once the bytes are in
+    its memory (ok=False: the transfer is closed on D, or the copy failed and D failed the
+    transfer). The blocks are P's to keep until then, so P waits for the answer."""
+
+    transfer_id: str
+    seq: int
+    layers: list[int]
+    src_blocks: list[int]
+    dst_blocks: list[int]
+
+
 class WriteGrant(msgspec.Struct, tag=True, kw_only=True):
-    """D -> P: ok=False means the transfer is closed on D (or unknown): skip the copy."""
+    """D -> P: ok=False means the transfer is closed on D (or unknown): skip the copy. The
+    answer to a ``DirectRead`` comes once D has copied the blocks."""
 
     seq: int
     ok: bool
@@ -282,11 +302,12 @@ class TransferAck(msgspec.Struct, tag=True, kw_only=True):
 
 Message = Union[
     Register, Cancel, RegisterAck, Refused, FirstToken, Hello, HelloAck, BlockData, DirectWrite,
-    WriteGrant, DirectWritten, TransferNearlyDone, TransferDone, TransferAbort, TransferAck,
+    DirectRead, WriteGrant, DirectWritten, TransferNearlyDone, TransferDone, TransferAbort,
+    TransferAck,
 ]
 
-PREFILL_TO_DECODE = (BlockData, DirectWrite, DirectWritten, TransferNearlyDone, TransferDone,
-                     TransferAbort)
+PREFILL_TO_DECODE = (BlockData, DirectWrite, DirectRead, DirectWritten, TransferNearlyDone,
+                     TransferDone, TransferAbort)
 """What a data connection carries from P to D after the ``Hello``."""
 
 _encoder = msgspec.msgpack.Encoder()
@@ -336,9 +357,10 @@ LAYERS_BYTES = 12 * KIB
 BLOCK_ID_BYTES = 5
 """One block id: a msgpack uint32 (vLLM's block ids stay below 2**32)."""
 PLANE_EXPORTS_BYTES = 1 * MIB
-"""``HelloAck.exports``: about 1 KiB per layer at most for any plane (a layer's CUDA IPC
-handles take about 250 B; NIXL agent metadata about 50 B per registered region over TCP, a few
-hundred with RDMA keys; Mooncake 9 B per layer address), for up to 512 layers, doubled."""
+"""``HelloAck.exports`` and ``Hello.exports``: about 1 KiB per layer at most for any plane (a
+layer's CUDA IPC handles take about 250 B; NIXL agent metadata about 50 B per registered region
+over TCP, a few hundred with RDMA keys; Mooncake 9 B per layer address), for up to 512 layers,
+doubled."""
 DEFAULT_MAX_TRANSFER_BLOCKS = 1 << 18
 """Default of the ``max_transfer_blocks`` setting: 262,144 block ids, e.g. a 4M-token prompt
 in one KV cache group of 16-token blocks, or 1M tokens in four groups (a ``Register`` of about
@@ -350,10 +372,11 @@ MESSAGE_BYTES: dict[type, int] = {
     RegisterAck: FIELDS_BYTES + ID_BYTES,
     Refused: FIELDS_BYTES + ID_BYTES + REASON_BYTES,
     FirstToken: FIELDS_BYTES + ID_BYTES,
-    Hello: FIELDS_BYTES + 2 * ID_BYTES + COMPAT_BYTES,
+    Hello: FIELDS_BYTES + 2 * ID_BYTES + COMPAT_BYTES + PLANE_EXPORTS_BYTES,
     HelloAck: FIELDS_BYTES + PLANE_EXPORTS_BYTES,
     BlockData: FIELDS_BYTES + ID_BYTES + LAYERS_BYTES,
     DirectWrite: FIELDS_BYTES + ID_BYTES + LAYERS_BYTES,
+    DirectRead: FIELDS_BYTES + ID_BYTES + LAYERS_BYTES,
     WriteGrant: FIELDS_BYTES,
     DirectWritten: FIELDS_BYTES + ID_BYTES,
     TransferNearlyDone: FIELDS_BYTES + ID_BYTES,
@@ -362,10 +385,11 @@ MESSAGE_BYTES: dict[type, int] = {
     TransferAck: FIELDS_BYTES + ID_BYTES + REASON_BYTES,
 }
 """Each message type's largest encoding, without the block ids of ``CARRIES_BLOCKS``."""
-CARRIES_BLOCKS = (Register, BlockData, DirectWrite)
-"""Types that also carry up to ``max_transfer_blocks`` block ids: a registration lists, per KV
-cache group, one id per block of the prompt (``cdiv(prompt_tokens, block_size)``); a frame
-lists some of one registration's."""
+CARRIES_BLOCKS: dict[type, int] = {Register: 1, BlockData: 1, DirectWrite: 1, DirectRead: 2}
+"""Types that also carry block ids, and how many lists of up to ``max_transfer_blocks`` each: a
+registration lists, per KV cache group, one id per block of the prompt
+(``cdiv(prompt_tokens, block_size)``); a frame lists some of one registration's (a
+``DirectRead`` both P's and D's)."""
 if set(MESSAGE_BYTES) != set(Message.__args__):  # type: ignore[attr-defined]
     raise TypeError("every message type needs its size limit in MESSAGE_BYTES")
 
@@ -383,7 +407,7 @@ class MessageLimits:
     def of(self, kind: type) -> int:
         base = MESSAGE_BYTES[kind]
         if kind in CARRIES_BLOCKS:
-            return base + BLOCK_ID_BYTES * self.max_transfer_blocks
+            return base + CARRIES_BLOCKS[kind] * BLOCK_ID_BYTES * self.max_transfer_blocks
         return base
 
     def accepting(self, *kinds: type) -> Accepting:
