@@ -15,7 +15,10 @@ tells them apart:
 * kernels are grouped into attention, GEMM, copies and the rest by name;
 * **per launch**: each graph's kernels found by their launch's correlation id, so idle time
   *inside* a graph (its kernels' launch gaps) is told apart from idle time *before* it, and a
-  host that called ``cudaGraphLaunch`` after the GPU had run dry from one that was ahead.
+  host that called ``cudaGraphLaunch`` after the GPU had run dry from one that was ahead;
+* **boundaries**: inside the graphs, the gap from each kernel to the next by the pair of kernel
+  names (negative: the next one started before the previous ended), so two instances running
+  the same graph can be compared boundary by boundary.
 
     python3 benchmarks/decode_profile.py TRACE.pt.trace.json.gz ... [--json OUT.json]
 """
@@ -33,6 +36,10 @@ from typing import Any
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 GAP_BUCKETS_US = ((0, 5), (5, 20), (20, 100), (100, 1000), (1000, float("inf")))
+BOUNDARIES_SHOWN = 8
+"""Kernel boundaries listed per trace, the most frequent first."""
+NAME_CHARS = 48
+"""A kernel's name is cut to this many characters in the boundary list."""
 
 
 def load_events(path: Path) -> list[dict[str, Any]]:
@@ -136,6 +143,7 @@ def per_launch(events: list[dict[str, Any]]) -> dict[str, Any] | None:
     if not graphs:
         return None
     rows: dict[str, list[float]] = defaultdict(list)
+    pairs: dict[tuple[str, str], list[float]] = defaultdict(list)
     gpu_ends = [(e["ts"], e["ts"] + e["dur"]) for e in gpu]
     i, latest_end = 0, None
     for start, corr in graphs:
@@ -145,6 +153,9 @@ def per_launch(events: list[dict[str, Any]]) -> dict[str, Any] | None:
         rows["span"].append(end - start)
         rows["busy"].append(busy)
         rows["inner_idle"].append(end - start - busy)
+        for a, b in zip(ks, ks[1:]):  # in start order, as ``gpu`` is
+            pairs[(a["name"][:NAME_CHARS], b["name"][:NAME_CHARS])].append(
+                b["ts"] - (a["ts"] + a["dur"]))
         while i < len(gpu_ends) and gpu_ends[i][0] < start:  # GPU work begun before the graph
             latest_end = gpu_ends[i][1] if latest_end is None else max(latest_end, gpu_ends[i][1])
             i += 1
@@ -161,7 +172,24 @@ def per_launch(events: list[dict[str, Any]]) -> dict[str, Any] | None:
     out["mean_idle_before_us"] = (round(sum(rows["idle_before"]) / len(rows["idle_before"]), 1)
                                   if rows["idle_before"] else None)
     out["mean_inner_idle_us"] = round(sum(rows["inner_idle"]) / len(rows["inner_idle"]), 1)
+    out.update(boundaries(pairs))
     return out
+
+
+def boundaries(pairs: dict[tuple[str, str], list[float]]) -> dict[str, Any]:
+    """From each (kernel, next kernel) pair's gaps inside the graphs: the share of all
+    boundaries at which the next kernel started before the previous one ended
+    (``overlap_share``), and the most frequent pairs with their median gap (us) and their own
+    overlap share."""
+    every = [g for gaps in pairs.values() for g in gaps]
+    shown = sorted(pairs.items(), key=lambda kv: (-len(kv[1]), kv[0]))[:BOUNDARIES_SHOWN]
+    return {
+        "overlap_share": round(sum(g < 0 for g in every) / len(every), 3) if every else None,
+        "boundaries": [{"from": a, "to": b, "count": len(gaps),
+                        "median_us": round(statistics.median(gaps), 3),
+                        "overlap_share": round(sum(g < 0 for g in gaps) / len(gaps), 3)}
+                       for (a, b), gaps in shown],
+    }
 
 
 def table(rows: dict[str, dict[str, Any]]) -> str:
@@ -197,7 +225,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, s in rows.items():
         if (pl := s.get("per_launch")) is not None:
             print(f"\n{name}: per graph launch (medians, us): " + ", ".join(
-                f"{k} {v}" for k, v in pl.items()))
+                f"{k} {v}" for k, v in pl.items() if k != "boundaries"))
+            for b in pl["boundaries"]:
+                print(f"  {b['median_us']:7.3f} us median, {b['overlap_share']:5.1%} overlapping,"
+                      f" {b['count']:6d} x  {b['from']} -> {b['to']}")
     for name, s in rows.items():
         print(f"\n{name}: top kernels")
         for k in s["top_kernels"]:

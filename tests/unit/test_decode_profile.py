@@ -92,10 +92,11 @@ def test_the_command_reads_gzipped_traces_and_writes_a_table_and_json(tmp_path: 
     assert [s["idle_per_launch_ms"] for s in summaries.values()] == [0.04, 0.072]
 
 
-def correlated_steps(steps: int, inner_gap_us: float, launch_lead_us: float,
-                     between_us: float = 20.0) -> list[dict]:
+def correlated_steps(steps: int, inner_gap_us: float | tuple[float, float],
+                     launch_lead_us: float, between_us: float = 20.0) -> list[dict]:
     """One graph launch per step with three kernels that carry its correlation id,
-    ``inner_gap_us`` apart; the host calls cudaGraphLaunch ``launch_lead_us`` before the
+    ``inner_gap_us`` apart (or, as a pair, the gap after the first and after the second;
+    negative: the next kernel starts before the previous ends); the host calls cudaGraphLaunch ``launch_lead_us`` before the
     graph's first kernel, and ``between_us`` of GPU idle time
     separate the steps. Each step's input copy runs before its graph, outside it."""
     events, t = [], 1000.0
@@ -106,11 +107,11 @@ def correlated_steps(steps: int, inner_gap_us: float, launch_lead_us: float,
         events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch",
                        "ts": t - launch_lead_us, "dur": 5.0, "pid": 1, "tid": 1,
                        "args": {"correlation": step}})
-        for name, dur in ((GEMM, 30.0), (ATTN, 10.0), (GEMM, 30.0)):
+        gaps = inner_gap_us if isinstance(inner_gap_us, tuple) else (inner_gap_us,) * 2
+        for name, dur, gap in ((GEMM, 30.0, gaps[0]), (ATTN, 10.0, gaps[1]), (GEMM, 30.0, 0.0)):
             events.append({"ph": "X", "cat": "kernel", "name": name, "ts": t, "dur": dur,
                            "pid": 0, "tid": 7, "args": {"correlation": step}})
-            t += dur + inner_gap_us
-        t -= inner_gap_us
+            t += dur + gap
     return events
 
 
@@ -136,3 +137,28 @@ def test_per_launch_separates_gaps_inside_a_graph_from_a_late_host() -> None:
 def test_per_launch_needs_correlated_graph_launches() -> None:
     assert decode_profile.per_launch(simulated_steps(5, gap_us=50.0)) is None
     assert decode_profile.summarize(simulated_steps(5, gap_us=50.0))["per_launch"] is None
+
+
+def test_boundaries_show_each_kernel_pairs_gap_and_overlaps() -> None:
+    """Same kernels, same busy time: one graph overlaps GEMM -> attention by 0.5 us, the other
+    waits 0.4 us there; the boundary list tells them apart, pair by pair."""
+    overlapping = decode_profile.per_launch(correlated_steps(10, inner_gap_us=(-0.5, 0.25),
+                                                             launch_lead_us=2000.0))
+    assert overlapping["overlap_share"] == 0.5
+    first, second = overlapping["boundaries"]
+    assert (first["from"], first["to"]) == (ATTN, GEMM)  # equal counts: by name
+    assert first == {"from": ATTN, "to": GEMM, "count": 10, "median_us": 0.25,
+                     "overlap_share": 0.0}
+    assert second == {"from": GEMM, "to": ATTN, "count": 10, "median_us": -0.5,
+                      "overlap_share": 1.0}
+    waiting = decode_profile.per_launch(correlated_steps(10, inner_gap_us=(0.4, 0.25),
+                                                         launch_lead_us=2000.0))
+    assert waiting["overlap_share"] == 0.0
+    assert [b["median_us"] for b in waiting["boundaries"]] == [0.25, 0.4]
+    long_name = "k" * 200
+    events = correlated_steps(2, inner_gap_us=0.5, launch_lead_us=100.0)
+    for e in events:
+        if e.get("name") == ATTN:
+            e["name"] = long_name
+    names = {b["to"] for b in decode_profile.per_launch(events)["boundaries"]}
+    assert "k" * decode_profile.NAME_CHARS in names
