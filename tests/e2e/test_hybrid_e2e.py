@@ -188,7 +188,9 @@ def test_state_goes_once_per_request_after_the_last_chunk(
     name, cluster = hybrid
     tid = uuid.uuid4().hex
     prompt = make_prompt(620, seed=7)
-    d, p = cluster.prefill_and_decode(tid, prompt, max_tokens=MAX_TOKENS)
+    # P must hold D's registration before it starts, or it computes the prompt unstreamed
+    d, p = cluster.prefill_and_decode(tid, prompt, max_tokens=MAX_TOKENS,
+                                      await_registration=True)
     assert p[0] == 200, p
     assert d["status"] == 200, d
     ref = _complete(cluster.reference.url, prompt, logprobs=2)  # type: ignore[union-attr]

@@ -268,13 +268,16 @@ class PDCluster:
 
     def prefill_and_decode(self, transfer_id: str, prompt: str, max_tokens: int = 4,
                            on_streaming: Any = None, decode_kv: dict[str, Any] | None = None,
-                           prefill_kv: dict[str, Any] | None = None
+                           prefill_kv: dict[str, Any] | None = None,
+                           await_registration: bool = False
                            ) -> tuple[dict[str, Any], tuple[int, Any]]:
         """What the proxy does, with the caller's transfer_id: D and P at once, greedy.
         ``on_streaming()`` is called once P's trace shows the transfer's first chunk planned
         (P is streaming); P's request is then sent only after P holds D's registration, since
         a registration later than P's ``registration_wait_s`` lets P finish the prompt before
-        it streams anything. ``decode_kv`` / ``prefill_kv``: D's and P's kv_transfer_params
+        it streams anything (``await_registration``: that wait alone, for a caller that checks
+        the streaming afterwards, e.g. in P's trace, on a machine slow enough for D's
+        registration to come late). ``decode_kv`` / ``prefill_kv``: D's and P's kv_transfer_params
         instead of the proxy's (e.g. :meth:`mooncake_params`). Returns D's outcome
         ({"status", "data", "elapsed"}) and P's (status, body); a request that could not be
         answered has status 0."""
@@ -307,7 +310,7 @@ class PDCluster:
         th = threading.Thread(target=decode)
         th.start()
         watcher = None
-        if on_streaming is not None:
+        if on_streaming is not None or await_registration:
             deadline = time.monotonic() + 60
             while not registered():
                 if time.monotonic() > deadline or not th.is_alive():
@@ -315,6 +318,7 @@ class PDCluster:
                     raise AssertionError(f"P never received D's registration of transfer "
                                          f"{transfer_id}; D answered {result}")
                 time.sleep(0.05)
+        if on_streaming is not None:
 
             def watch() -> None:
                 deadline = time.monotonic() + 60
