@@ -76,8 +76,8 @@ class LayerKVConfig:
     announces it (``DirectRead``), as NixlConnector's D does, instead of P writing into D's
     memory. A decode GPU whose CUDA context maps a peer's memory this way ran its decode graph
     with shorter gaps between kernels (4.67 against 4.83-4.85 ms per step on an H200); off
-    until LayerKV's own reads are measured. P offers its KV to every decode on its host;
-    only D's setting counts."""
+    until LayerKV's own reads are measured. Takes effect when both P (which then offers its KV
+    to the decode instances it connects to) and D have it on."""
     mooncake_protocol: str = "tcp"
     """transport mooncake/auto: the TransferEngine protocol, "tcp" or "rdma"."""
     mooncake_device: str = ""

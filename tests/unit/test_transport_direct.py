@@ -397,7 +397,7 @@ def test_decode_that_reads_copies_every_group_itself_and_p_maps_nothing(sides) -
     the bytes, the ack and both sides' counters are those of a write."""
     make_d, make_p = sides
     d = make_d(reads=True)
-    p, p_plane = make_p()
+    p, p_plane = make_p(reads=True)
     src, dst = list(range(0, 20)), list(range(30, 50))
     d.table.expect(RecvTask("req-a", "tid-a", dst))
     push(p, [task("tid-a", d, src, dst, req_id="req-a")])
@@ -413,10 +413,15 @@ def test_decode_that_reads_copies_every_group_itself_and_p_maps_nothing(sides) -
     assert p.stats.take().data["bytes_sent"] == out.nbytes
 
 
-def test_decode_without_reads_is_written_to_although_p_offers_its_kv(sides) -> None:
+@pytest.mark.parametrize("p_reads,d_reads", [(True, False), (False, True)],
+                         ids=["only-p", "only-d"])
+def test_reads_need_the_setting_on_both_sides(sides, p_reads: bool, d_reads: bool) -> None:
+    """Without cuda_ipc_reads on P, P offers nothing of its memory; without it on D, D does not
+    map P: either way P writes into D, as by default."""
     make_d, make_p = sides
-    d = make_d()
-    p, p_plane = make_p()
+    d = make_d(reads=d_reads)
+    p, p_plane = make_p(reads=p_reads)
+    assert (p_plane.sender_export() is not None) == p_reads
     d.table.expect(RecvTask("r", "t", [1, 2]))
     push(p, [task("t", d, [5, 6], [1, 2], req_id="r")])
     assert p.wait_state("t", ["acked", "failed"]).state == "acked"
@@ -428,7 +433,7 @@ def test_decode_without_reads_is_written_to_although_p_offers_its_kv(sides) -> N
 def test_decode_that_cannot_map_the_prefill_is_written_to(sides) -> None:
     make_d, make_p = sides
     d = make_d(reads=True, mappable=False)
-    p, p_plane = make_p()
+    p, p_plane = make_p(reads=True)
     d.table.expect(RecvTask("r", "t", [1]))
     push(p, [task("t", d, [5], [1], req_id="r")])
     assert p.wait_state("t", ["acked", "failed"]).state == "acked"
@@ -439,7 +444,7 @@ def test_decode_that_cannot_map_the_prefill_is_written_to(sides) -> None:
 def test_failed_read_fails_the_transfer_on_both_sides(sides) -> None:
     make_d, make_p = sides
     d = make_d(reads=True, fail=True)
-    p, _ = make_p()
+    p, _ = make_p(reads=True)
     d.table.expect(RecvTask("r", "t", [1, 2]))
     push(p, [task("t", d, [5, 6], [1, 2], req_id="r")])
     out = p.wait_state("t", ["acked", "failed"])
@@ -453,7 +458,7 @@ def test_read_naming_blocks_outside_either_kv_fails_and_copies_nothing(sides) ->
     d = make_d(reads=True)
     d.table.expect(RecvTask("r", "t", [1, 2]))
     p_layout = KVLayout.from_kv_caches(make_caches(None, seed=1), NUM_BLOCKS)
-    p_plane = HostPeering(p_layout)
+    p_plane = HostPeering(p_layout, reads=True)
     sock = framing.connect(d.endpoint, 2.0)
     connect_handshake(sock, ChannelAuth(), 2.0)
     framing.send_message(sock, Hello(compat=compat(), engine_id="raw", tp_rank=0, tp_size=1,
@@ -492,7 +497,7 @@ def test_close_waits_for_a_read_in_progress(sides) -> None:
     make_d, make_p = sides
     gate = threading.Event()
     d = make_d(reads=True, gate=gate)
-    p, _ = make_p()
+    p, _ = make_p(reads=True)
     d.table.expect(RecvTask("r", "t", [3]))
     push(p, [task("t", d, [7], [3], req_id="r")], groups=[(0, 1, 2, 3)], finish=False)
     deadline = time.monotonic() + TIMEOUT

@@ -237,7 +237,8 @@ class CudaIpcPlane(DirectPlane):
     def __init__(self, local: Sequence[torch.Tensor], reads: bool = False):
         super().__init__(local)
         self.reads = reads
-        """D: map each same-host sender's KV and copy from it (``cuda_ipc_reads``)."""
+        """``cuda_ipc_reads``: P offers this worker's KV to decode instances that read it; D
+        maps each same-host sender's KV and copies from it."""
         self._export: KVExport | None = None
         self._ring_export: KVExport | None = None
         self._sender_export: KVExport | None = None
@@ -287,7 +288,11 @@ class CudaIpcPlane(DirectPlane):
         return self.map_peer(export, "decode")
 
     def sender_export(self) -> KVExport | None:
-        """P side: this worker's KV, for decode instances that read it (made on first use)."""
+        """P side, ``cuda_ipc_reads``: this worker's KV, for decode instances that read it
+        (made on first use); None without the setting, so that P's default path exports
+        nothing of its memory."""
+        if not self.reads:
+            return None
         with self._lock:
             if self._sender_export is None:
                 try:

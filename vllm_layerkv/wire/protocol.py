@@ -183,8 +183,8 @@ class Hello(msgspec.Struct, tag=True, kw_only=True):
     """Direct-write planes P can drive, in P's order of preference ("cuda_ipc", "nixl",
     "mooncake"); empty: P only sends bytes."""
     exports: list[PlaneExports] = []
-    """P's own KV, for a decode that reads it itself (a ``KVExport`` of P's cache, for D's
-    ``cuda_ipc_reads``); D ignores it unless that setting is on."""
+    """P's own KV, for a decode that reads it itself (with ``cuda_ipc_reads``: a ``KVExport``
+    of P's cache); D ignores it unless that setting is on there too."""
 
 
 class HelloAck(msgspec.Struct, tag=True, kw_only=True):
