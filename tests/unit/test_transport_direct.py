@@ -285,23 +285,25 @@ def test_grant_naming_a_foreign_block_fails_the_transfer_and_copies_nothing(side
     assert_sentinel(d)
 
 
-def test_close_waits_for_a_device_copy_in_progress(sides) -> None:
-    """Memory safety: D reports a transfer (and vLLM frees its blocks) only once P's granted
-    copy into them has completed."""
+@pytest.mark.parametrize("reads", [False, True], ids=["p-writes", "d-reads"])
+def test_close_waits_for_a_device_copy_in_progress(sides, reads: bool) -> None:
+    """Memory safety: D reports a transfer (and vLLM frees its blocks) only once the granted
+    copy into them has completed: P's write, or with cuda_ipc_reads D's own read."""
     make_d, make_p = sides
-    d = make_d()
     gate = threading.Event()
-    p, peering = make_p(gate=gate)
+    d = make_d(reads=True, gate=gate) if reads else make_d()
+    p, p_plane = make_p(reads=True) if reads else make_p(gate=gate)
+    copier = d.plane if reads else p_plane
     d.table.expect(RecvTask("r", "t", [3]))
     push(p, [task("t", d, [7], [3], req_id="r")], groups=[(0, 1, 2, 3)], finish=False)
     deadline = time.monotonic() + TIMEOUT
-    while not (peering.mapped and peering.mapped[0].in_copy.is_set()):
+    while not (copier.mapped and copier.mapped[0].in_copy.is_set()):
         assert time.monotonic() < deadline
         time.sleep(0.01)
     closer = threading.Thread(target=d.table.close, args=("t", True, "kv_wait_timeout_s"))
     closer.start()
     closer.join(0.3)
-    assert closer.is_alive(), "close() returned while P was copying into the blocks"
+    assert closer.is_alive(), "close() returned while a copy into the blocks was running"
     assert d.table.drain() == (set(), set())
     gate.set()
     closer.join(TIMEOUT)
@@ -490,26 +492,3 @@ def test_direct_read_to_a_decode_that_does_not_read_drops_the_connection(sides) 
         framing.recv_message(sock)
     sock.close()
     assert_sentinel(d)
-
-
-def test_close_waits_for_a_read_in_progress(sides) -> None:
-    """Memory safety with reads: D reports a transfer only once its own copy is done."""
-    make_d, make_p = sides
-    gate = threading.Event()
-    d = make_d(reads=True, gate=gate)
-    p, _ = make_p(reads=True)
-    d.table.expect(RecvTask("r", "t", [3]))
-    push(p, [task("t", d, [7], [3], req_id="r")], groups=[(0, 1, 2, 3)], finish=False)
-    deadline = time.monotonic() + TIMEOUT
-    while not (d.plane.mapped and d.plane.mapped[0].in_copy.is_set()):
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    closer = threading.Thread(target=d.table.close, args=("t", True, "kv_wait_timeout_s"))
-    closer.start()
-    closer.join(0.3)
-    assert closer.is_alive(), "close() returned while D was reading into the blocks"
-    gate.set()
-    closer.join(TIMEOUT)
-    assert not closer.is_alive()
-    assert d.table.drain() == (set(), {"r"})
-    assert_copied(p, d, [(7, 3)])

@@ -538,9 +538,7 @@ class TcpTransport(Transport):
         except (BoundsError, StagingError) as e:
             refusal = f"head-slice write refused: {e}"
         finally:
-            sink.end_write(request.transfer_id, written)
-        if refusal:
-            sink.on_abort(request.transfer_id, refusal, source)
+            _end_write(sink, request.transfer_id, written, refusal, source)
 
     def _scatter_slot(self, request: DirectWrite, slot: int, nbytes: int,
                       ring: RecvRing | None, blocks: BlockIO) -> int:
@@ -580,11 +578,8 @@ class TcpTransport(Transport):
         except (DirectWriteFailed, ValueError) as e:
             failure = f"decode could not read the prefill's KV: {e}"
         finally:
-            sink.end_write(msg.transfer_id, nbytes)
-        if failure:
-            sink.on_abort(msg.transfer_id, failure, source)
-            return False
-        return True
+            _end_write(sink, msg.transfer_id, nbytes, failure, source)
+        return not failure
 
     @staticmethod
     def _grant(msg: DirectWrite | DirectRead, sink: ReceiveSink, blocks: BlockIO,
@@ -639,6 +634,16 @@ class _Scratch:
         if self._view is None:
             self._view = memoryview(bytearray(SCRATCH_BYTES))
         return self._view
+
+
+def _end_write(sink: ReceiveSink, transfer_id: str, nbytes: int, refusal: str,
+               source: Source) -> None:
+    """End a write D made into its own blocks (a ring scatter, a read), and fail the transfer
+    when it was refused: in that order, since failing a transfer waits until no write into it
+    is open."""
+    sink.end_write(transfer_id, nbytes)
+    if refusal:
+        sink.on_abort(transfer_id, refusal, source)
 
 
 def _check_rank(msg: TransferDone | TransferNearlyDone, source: Source) -> None:
