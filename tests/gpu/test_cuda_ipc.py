@@ -101,7 +101,8 @@ def test_decode_reads_copies_device_to_device_byte_exact() -> None:
     blocks)."""
     src = list(range(0, 600, 3))[:150]
     dst = list(range(1000, 400, -4))[:150]
-    p_res, d_res = run_pair("cuda_ipc", [contiguous(256), {"src": src, "dst": dst}],
+    # D's blocks of the two transfers are disjoint (the check compares each with P's)
+    p_res, d_res = run_pair("cuda_ipc", [contiguous(256, dst_at=0), {"src": src, "dst": dst}],
                             config={"cuda_ipc_reads": True})
     assert p_res["direct"] and p_res["reads"]
     assert all(s == "acked" for s in p_res["states"].values()), p_res["states"]
