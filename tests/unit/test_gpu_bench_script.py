@@ -267,7 +267,7 @@ def test_the_slow_link_sweep_runs_the_probe_first_then_its_benchmarks_in_order(
                          "layerkv-tcp-25g", "layerkv-tcp-10g", "layerkv-nixl-tcp",
                          "nixl-tcp"]),
         ("03_c1_auth", ["layerkv", "layerkv-auth", "layerkv-tcp", "layerkv-tcp-auth"]),
-        ("04_rates_cuda_ipc", ["single", "single-x2", "nixl", "layerkv"]),
+        ("04_rates_cuda_ipc", ["single", "single-x2", "nixl", "layerkv", "layerkv-reads"]),
         ("04_rates_ucx_tcp", ["nixl-tcp", "layerkv-nixl-tcp"])]
     check_runs(runs, model, gpus=2)
     ucx = runs[3][2]
