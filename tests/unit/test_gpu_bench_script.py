@@ -219,9 +219,10 @@ def test_model_config_is_served_with_model_s_tokenizer(tmp_path: Path, model: Pa
     assert argv[argv.index("--model") + 1] == str(built)
 
 
-def sweep_commands(script: str, tmp_path: Path, model: Path) -> list[list[str]]:
+def sweep_commands(script: str, tmp_path: Path, model: Path,
+                   **settings: str) -> list[list[str]]:
     out = tmp_path / script
-    env = {**os.environ, "OUT": str(out), "MODEL": str(model), "DRY_RUN": "1"}
+    env = {**os.environ, "OUT": str(out), "MODEL": str(model), "DRY_RUN": "1", **settings}
     r = subprocess.run(["bash", f"benchmarks/{script}"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -389,8 +390,9 @@ def test_the_decode_graph_sweep_profiles_each_configuration_on_one_gpu_pair(
         tmp_path: Path, model: Path) -> None:
     commands = sweep_commands("sweep_decode_graphs.sh", tmp_path, model)
     runs = bench_runs(commands)
-    assert [(run, configs) for run, configs, _ in runs] == [
-        ("01_c1_graphs", ["nixl", "layerkv", "layerkv-reads"])]
+    configs = ["nixl", "layerkv", "layerkv-reads"]
+    assert [(run, names) for run, names, _ in runs] == [
+        ("01_c1_graphs", configs), ("03_rates_pool_round", configs)]
     check_runs(runs, model, gpus=2)
     options = runs[0][2]
     args = load("ttft_bench").parse_args(["--device", "cuda", "--model", str(model),
@@ -402,9 +404,32 @@ def test_the_decode_graph_sweep_profiles_each_configuration_on_one_gpu_pair(
     assert env["TORCH_PROFILE_POINTS"].split() == [
         f"{name}_c{c}_in{i}_out{o}" for name in ("nixl", "layerkv", "layerkv-reads")]
     assert env["TORCH_PROFILE_SECONDS"] == "1.5"
-    last = commands[-1]
-    assert [w for w in last if w.endswith(".py")] == ["benchmarks/decode_profile.py"]
-    assert last[last.index("--json") + 1].endswith("decode_profile.json")
+    profile = commands[1]
+    assert [w for w in profile if w.endswith(".py")] == ["benchmarks/decode_profile.py"]
+    assert profile[profile.index("--json") + 1].endswith("decode_profile.json")
+
+
+def test_the_decode_graph_sweep_measures_open_loop_on_a_pool_that_has_gone_round(
+        tmp_path: Path, model: Path) -> None:
+    """Step 3: every instance gets a small KV pool, which each rate's warm-up takes more than
+    once, and nothing is profiled; STEPS picks the steps."""
+    commands = sweep_commands("sweep_decode_graphs.sh", tmp_path, model, STEPS="rates",
+                              POOL_BLOCKS="5000")
+    (run, configs, options), = bench_runs(commands)
+    assert run == "03_rates_pool_round" and configs == ["nixl", "layerkv", "layerkv-reads"]
+    (cmd,) = commands
+    env = dict(word.split("=", 1) for word in cmd[1:cmd.index("bash")])
+    assert env["VLLM_ARGS"] == "--num-gpu-blocks-override 5000"
+    assert not any(name.startswith("TORCH_PROFILE") for name in env)
+    args = load("ttft_bench").parse_args(["--device", "cuda", "--model", str(model),
+                                          "--configs", *configs, "--out", "/tmp/x",
+                                          *options])
+    assert args.cuda_graphs and [(r.value, r.of_capacity) for r in args.rates] == [
+        (0.5, True), (0.9, True)]
+    assert args.rate_warmup * 256 > 5000  # each rate's warm-up goes round the pool
+    assert Path(ROOT, args.capacity_from).is_file()
+    assert [run for run, _, _ in bench_runs(sweep_commands(
+        "sweep_decode_graphs.sh", tmp_path / "g", model, STEPS="graphs"))] == ["01_c1_graphs"]
 
 
 def test_the_decode_graph_sweep_summarises_the_traces_its_run_recorded(
@@ -421,7 +446,8 @@ def test_the_decode_graph_sweep_summarises_the_traces_its_run_recorded(
         f'  mkdir -p {trace_dir}; touch {trace_dir}/rank0.1.pt.trace.json.gz; fi\n')
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(out),
            "MODEL": str(model), "CALLS": str(tmp_path / "calls"), "SWEEP_TIMEOUT": "600",
-           "SWEEP_MARGIN": "0", "BENCH": str(tmp_path / "bench"), "TRACE": "1"}
+           "SWEEP_MARGIN": "0", "BENCH": str(tmp_path / "bench"), "TRACE": "1",
+           "STEPS": "graphs"}
     r = subprocess.run(["bash", "benchmarks/sweep_decode_graphs.sh"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -46,7 +46,7 @@ from vllm_layerkv.config import LayerKVConfig
 from vllm_layerkv.kv.blockio import block_runs
 from vllm_layerkv.tasks import Peer, RecvTask, SendTask
 from vllm_layerkv.testing import faults
-from vllm_layerkv.transport.direct import AddressedPeer, DirectWriteFailed
+from vllm_layerkv.transport.direct import AddressedPeer, DirectWriteFailed, paired_runs
 from vllm_layerkv.transport.nixl import MAX_COALESCED_RUNS
 from vllm_layerkv.worker.sender import AbortTransfer, FinishTransfer, GroupSend
 
@@ -106,6 +106,21 @@ def test_non_contiguous_block_lists(d_side, p_side) -> None:
     assert p.wait_state("t", ["acked", "failed"]).state == "acked"
     assert d.drain_until(lambda f, x: bool(f or x)) == ({"r"}, set())
     assert_copied(p, d, list(zip(src, dst)))
+
+
+def test_block_lists_counting_down_on_both_sides(d_side, p_side) -> None:
+    """A long-running engine reuses a freed request's blocks last first (vLLM frees them in
+    that order): such pairs are copied as spans, and every block lands where it is listed."""
+    d, p = d_side(), p_side()
+    src = [*range(30, 19, -1), 5, 6]
+    dst = [*range(50, 39, -1), 1, 2]
+    assert paired_runs(src, dst) == [(20, 40, 11), (5, 1, 2)]
+    d.table.expect(RecvTask("r", "t", dst))
+    push(p, [task("t", d, src, dst, req_id="r")])
+    assert p.wait_state("t", ["acked", "failed"]).state == "acked"
+    assert d.drain_until(lambda f, x: bool(f or x)) == ({"r"}, set())
+    assert_copied(p, d, list(zip(src, dst)))
+    assert_sentinel(d, exclude={(layer, b) for layer in range(NUM_LAYERS) for b in dst})
 
 
 def test_transfer_may_cover_only_some_allocated_blocks(d_side, p_side) -> None:

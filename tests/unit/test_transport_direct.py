@@ -177,6 +177,14 @@ def test_paired_runs_merge_only_what_is_adjacent_on_both_sides() -> None:
     assert paired_runs([3, 2], [0, 1]) == [(3, 0, 1), (2, 1, 1)]
 
 
+def test_paired_runs_merge_pairs_that_count_down_on_both_sides() -> None:
+    """Once vLLM's block pool has gone round, a prompt's blocks come last-freed first."""
+    assert paired_runs([9, 8, 7], [5, 4, 3]) == [(7, 3, 3)]
+    assert paired_runs([9, 8, 7, 1, 2], [5, 4, 3, 20, 21]) == [(7, 3, 3), (1, 20, 2)]
+    assert paired_runs([5, 4, 6, 7], [9, 8, 10, 11]) == [(4, 8, 2), (6, 10, 2)]
+    assert paired_runs([5, 4, 3], [9, 8, 20]) == [(4, 8, 2), (3, 20, 1)]
+
+
 @pytest.mark.parametrize("scattered", [False, True], ids=["runs", "gather"])
 def test_copy_blocks_copies_exactly_the_pairs(scattered: bool) -> None:
     gen = torch.Generator().manual_seed(0)
@@ -186,8 +194,9 @@ def test_copy_blocks_copies_exactly_the_pairs(scattered: bool) -> None:
         s_blocks = list(range(0, 60, 3))
         d_blocks = list(range(63, 3, -3))
         assert len(paired_runs(s_blocks, d_blocks)) > MAX_RUN_COPIES
-    else:
-        s_blocks, d_blocks = [1, 2, 3, 10, 11], [40, 41, 42, 5, 6]
+    else:  # runs counting up and counting down
+        s_blocks, d_blocks = [1, 2, 3, 10, 11, 30, 29, 28], [40, 41, 42, 5, 6, 20, 19, 18]
+        assert len(paired_runs(s_blocks, d_blocks)) == 3
     n = copy_blocks(src, dst, [0, 2], s_blocks, d_blocks)
     assert n == 2 * len(s_blocks) * 32
     for layer in (0, 2):

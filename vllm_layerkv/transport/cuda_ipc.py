@@ -12,7 +12,8 @@ same with what torch already ships, so it needs nothing installed:
   device's allocation into P's address space and enables peer access on first use
   (``cudaIpcMemLazyEnablePeerAccess``), so P's copies run on P's GPU and D's GPU only receives.
 * P copies on a side stream: one ``cudaMemcpyAsync`` per run of blocks adjacent on both sides
-  (the common case: vLLM hands out free blocks in order), else a gather + scatter per layer.
+  (``paired_runs``: a fresh engine hands out free blocks counting up, one whose pool has gone
+  round counting down), else a gather + scatter per layer.
 
 With ``cuda_ipc_reads`` on D the direction turns: P offers its own KV in ``Hello.exports``, D
 maps it on D's device and copies each group itself when P sends ``DirectRead`` (as

@@ -89,20 +89,26 @@ def device_uuid(device: torch.device) -> str:
 
 def paired_runs(src_blocks: Sequence[int],
                 dst_blocks: Sequence[int]) -> list[tuple[int, int, int]]:
-    """Maximal runs (src_start, dst_start, length) that are consecutive on both sides: one
-    descriptor / memcpy each. vLLM hands out free blocks mostly in order, so a prompt's blocks
-    usually form a handful of runs."""
+    """Maximal runs (src_start, dst_start, length) of pairs that are consecutive on both
+    sides: one descriptor / memcpy each, named by the run's lowest pair. A fresh engine hands
+    out free blocks counting up. vLLM frees a request's blocks last first and reuses them in
+    that order, so once its pool has gone round, a prompt's blocks count down; a run that
+    counts down on both sides covers the same span as one that counts up."""
     if len(src_blocks) != len(dst_blocks):
         raise ValueError("src_blocks and dst_blocks differ in length")
-    runs: list[tuple[int, int, int]] = []
+    runs: list[tuple[int, int, int, int]] = []  # first pair, length, step (0: one pair)
     for s, d in zip(src_blocks, dst_blocks):
         if runs:
-            s0, d0, n = runs[-1]
-            if s == s0 + n and d == d0 + n:
-                runs[-1] = (s0, d0, n + 1)
+            s0, d0, n, step = runs[-1]
+            if step >= 0 and s == s0 + n and d == d0 + n:
+                runs[-1] = (s0, d0, n + 1, 1)
                 continue
-        runs.append((s, d, 1))
-    return runs
+            if step <= 0 and s == s0 - n and d == d0 - n:
+                runs[-1] = (s0, d0, n + 1, -1)
+                continue
+        runs.append((s, d, 1, 0))
+    return [(s0 - n + 1, d0 - n + 1, n) if step < 0 else (s0, d0, n)
+            for s0, d0, n, step in runs]
 
 
 def memory_regions(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
