@@ -13,6 +13,7 @@ drive, the fallbacks, the block-copy function P uses, and D reading P's KV inste
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 import uuid
@@ -321,16 +322,22 @@ def test_close_waits_for_a_device_copy_in_progress(sides, reads: bool) -> None:
     assert_copied(p, d, [(7, 3)])  # the copy finished before the report
 
 
+def raw_sender(d: DSide, **hello: object) -> tuple[socket.socket, object]:
+    """A connection to D's receiver that sends frames by hand: the handshake, then a ``Hello``
+    from "raw" with ``hello``'s fields; returns the socket and D's answer."""
+    sock = framing.connect(d.endpoint, 2.0)
+    connect_handshake(sock, ChannelAuth(), 2.0)
+    framing.send_message(sock, Hello(compat=compat(), engine_id="raw", tp_rank=0, tp_size=1,
+                                     **hello))
+    return sock, framing.recv_message(sock)
+
+
 def test_sender_vanishing_after_a_grant_releases_it(sides) -> None:
     """A granted copy whose sender's connection ends no longer holds the transfer open."""
     make_d, _ = sides
     d = make_d()
     d.table.expect(RecvTask("r", "t", [1]))
-    sock = framing.connect(d.endpoint, 2.0)
-    connect_handshake(sock, ChannelAuth(), 2.0)
-    framing.send_message(sock, Hello(compat=compat(), engine_id="raw", tp_rank=0, tp_size=1,
-                                     host_id=host_id(), direct=["cuda_ipc"]))
-    ack = framing.recv_message(sock)
+    sock, ack = raw_sender(d, host_id=host_id(), direct=["cuda_ipc"])
     assert isinstance(ack, HelloAck) and len(ack.exports) == 1
     framing.send_message(sock, DirectWrite(transfer_id="t", seq=1, layers=[0], dst_blocks=[1]))
     assert framing.recv_message(sock) == WriteGrant(seq=1, ok=True)
@@ -343,10 +350,8 @@ def test_direct_write_without_an_offer_drops_the_connection(sides) -> None:
     make_d, _ = sides
     d = make_d()
     d.table.expect(RecvTask("r", "t", [1]))
-    sock = framing.connect(d.endpoint, 2.0)
-    connect_handshake(sock, ChannelAuth(), 2.0)
-    framing.send_message(sock, Hello(compat=compat(), engine_id="raw", tp_rank=0, tp_size=1))
-    assert framing.recv_message(sock) == HelloAck(tp_rank=0)  # did not ask: nothing offered
+    sock, ack = raw_sender(d)
+    assert ack == HelloAck(tp_rank=0)  # did not ask: nothing offered
     framing.send_message(sock, DirectWrite(transfer_id="t", seq=1, layers=[0], dst_blocks=[1]))
     with pytest.raises((framing.PeerClosed, OSError)):
         framing.recv_message(sock)
@@ -470,12 +475,8 @@ def test_read_naming_blocks_outside_either_kv_fails_and_copies_nothing(sides) ->
     d.table.expect(RecvTask("r", "t", [1, 2]))
     p_layout = KVLayout.from_kv_caches(make_caches(None, seed=1), NUM_BLOCKS)
     p_plane = HostPeering(p_layout, reads=True)
-    sock = framing.connect(d.endpoint, 2.0)
-    connect_handshake(sock, ChannelAuth(), 2.0)
-    framing.send_message(sock, Hello(compat=compat(), engine_id="raw", tp_rank=0, tp_size=1,
-                                     host_id=host_id(), direct=["cuda_ipc"],
-                                     exports=[p_plane.sender_export()]))
-    ack = framing.recv_message(sock)
+    sock, ack = raw_sender(d, host_id=host_id(), direct=["cuda_ipc"],
+                           exports=[p_plane.sender_export()])
     assert isinstance(ack, HelloAck) and [e.reads for e in ack.exports] == [True]
     framing.send_message(sock, DirectRead(transfer_id="t", seq=1, layers=[0],
                                           src_blocks=[NUM_BLOCKS + 5, 0], dst_blocks=[1, 2]))
@@ -489,11 +490,7 @@ def test_direct_read_to_a_decode_that_does_not_read_drops_the_connection(sides) 
     make_d, _ = sides
     d = make_d()
     d.table.expect(RecvTask("r", "t", [1]))
-    sock = framing.connect(d.endpoint, 2.0)
-    connect_handshake(sock, ChannelAuth(), 2.0)
-    framing.send_message(sock, Hello(compat=compat(), engine_id="raw", tp_rank=0, tp_size=1,
-                                     host_id=host_id(), direct=["cuda_ipc"]))
-    ack = framing.recv_message(sock)
+    sock, ack = raw_sender(d, host_id=host_id(), direct=["cuda_ipc"])
     assert isinstance(ack, HelloAck) and [e.reads for e in ack.exports] == [False]
     framing.send_message(sock, DirectRead(transfer_id="t", seq=1, layers=[0], src_blocks=[3],
                                           dst_blocks=[1]))
