@@ -32,6 +32,16 @@ read -r -a configs <<<"${CONFIGS:-nixl layerkv layerkv-reads}"
 STEPS=" ${STEPS:-graphs rates} "
 RATES=${RATES:-0.5x,0.9x}
 POOL_BLOCKS=${POOL_BLOCKS:-6000}
+for step in $STEPS; do
+  if [ "$step" != graphs ] && [ "$step" != rates ]; then
+    echo "$(basename "$0"): STEPS='${STEPS# }' names '$step'; use graphs, rates or both" >&2
+    exit 2
+  fi
+done
+if ! [[ $POOL_BLOCKS =~ ^[1-9][0-9]*$ ]]; then
+  echo "$(basename "$0"): POOL_BLOCKS='$POOL_BLOCKS' is not a block count (e.g. 6000)" >&2
+  exit 2
+fi
 CAPACITY=benchmarks/results/2026-11-26-x4-h200-tp-rates/summary_rates_cuda_ipc.json
 LOAD=${LOAD:-1:4096:512:6}
 point="c${LOAD%%:*}_in$(cut -d: -f2 <<<"$LOAD")_out$(cut -d: -f3 <<<"$LOAD")"

@@ -432,6 +432,19 @@ def test_the_decode_graph_sweep_measures_open_loop_on_a_pool_that_has_gone_round
         "sweep_decode_graphs.sh", tmp_path / "g", model, STEPS="graphs"))] == ["01_c1_graphs"]
 
 
+@pytest.mark.parametrize("setting,message", [
+    ({"STEPS": "graphs rate"}, "names 'rate'; use graphs, rates or both"),
+    ({"POOL_BLOCKS": "6k"}, "POOL_BLOCKS='6k' is not a block count")])
+def test_the_decode_graph_sweep_refuses_unknown_settings(tmp_path: Path, model: Path,
+                                                         setting: dict, message: str) -> None:
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "MODEL": str(model), "DRY_RUN": "1",
+           **setting}
+    r = subprocess.run(["bash", "benchmarks/sweep_decode_graphs.sh"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and message in r.stderr, r.stdout + r.stderr
+    assert not (tmp_path / "out" / "commands.txt").exists()
+
+
 def test_the_decode_graph_sweep_summarises_the_traces_its_run_recorded(
         tmp_path: Path, model: Path) -> None:
     """The benchmark stand-in leaves a trace for one configuration only: the summary step gets
