@@ -5,12 +5,12 @@ the request early).
 
 The shared e2e cluster's prefill instance (conftest.py) serves every test here, as a P serves
 several D in xPyD; the cases get decode instances of their own, started together: one with
-another block size (on P's core), and one with the recompute policy, which the decode-killed test then kills
-(once the recompute tests are done with it: what P does when its D dies does not depend on D's
-policy). The last test kills the shared P itself, beside the shared D, so this file runs after
-every other file that uses the shared cluster (``ENDS_SHARED_CLUSTER``, conftest.py). Log
-checks on P read only what P wrote during the test, since P also logs the other tests'
-failures."""
+another block size (on P's core), and one with the recompute policy, which the decode-killed
+test then kills (once the recompute tests are done with it: what P does when its D dies does
+not depend on D's policy). The last test kills the shared P itself, beside the shared D, so this
+file runs after every other file that uses the shared cluster (``ENDS_SHARED_CLUSTER``,
+conftest.py). Log checks on P read only what P wrote during the test, since P also logs the
+other tests' failures."""
 
 from __future__ import annotations
 
@@ -135,29 +135,35 @@ def test_transfer_failing_after_early_release_is_recomputed(
 def test_decode_killed_while_prefill_streams(pairs: dict[str, PDCluster]) -> None:
     """D is SIGKILLed while P streams into it: P's sender loses the connection, P still answers
     its own request, and frees the request's blocks at once (no acknowledgement will come).
-    Runs after the recompute tests, whose D it kills."""
+    Runs after the recompute tests, whose D it kills. The transfer goes over a slow link (fault
+    hook), so the kill lands mid-stream however long the machine takes to deliver it."""
     cluster = pairs["decode_killed"]
+    tid = faults.SLOW_WRITE_PREFIX + uuid.uuid4().hex
     p_log_start = log_size(cluster.prefill.log_path)
-    _, (p_status, _) = cluster.prefill_and_decode(uuid.uuid4().hex, DECODE_KILLED_PROMPT,
+    d, (p_status, _) = cluster.prefill_and_decode(tid, DECODE_KILLED_PROMPT,
                                                   on_streaming=cluster.decode.kill)
+    assert "on_streaming" not in d, d
     assert p_status == 200
     assert_idle(cluster, "prefill")
-    assert re.search(r"LayerKV transfer \S+ \(request .*\) to .* failed",
-                     log_since(cluster.prefill.log_path, p_log_start))
+    p_events = [e["ev"] for e in cluster.trace_events() if tid in json.dumps(e)]
+    assert "transfer_done_sent" not in p_events, p_events  # the kill came after the stream
+    assert re.search(rf"LayerKV transfer {tid} \(request .*\) to .* failed",
+                     log_since(cluster.prefill.log_path, p_log_start)), p_events
     assert cluster.prefill.poll_ready()
 
 
 def test_prefill_killed_mid_stream_fails_decode(pairs: dict[str, PDCluster]) -> None:
     """P is SIGKILLed while it streams: D sees the data connection drop and fails the request
     well before kv_wait_timeout_s, and frees its blocks. The file's last test: P is gone
-    afterwards."""
+    afterwards. A slow link (fault hook) keeps the stream going until the kill lands."""
     cluster = pairs["prefill_killed"]
-    tid = uuid.uuid4().hex
+    tid = faults.SLOW_WRITE_PREFIX + uuid.uuid4().hex
     d, _ = cluster.prefill_and_decode(tid, PREFILL_KILLED_PROMPT,
                                       on_streaming=cluster.prefill.kill)
     # what P did with the transfer before it died: one step_plan per chunk it streamed, and
     # nearly_done_sent if it got to the last one (then the kill came too late to test anything)
     p_events = [e["ev"] for e in cluster.trace_events() if tid in json.dumps(e)]
+    assert "on_streaming" not in d, d
     assert d["status"] >= 500, (d, p_events)
     assert d["elapsed"] < 30, d
     assert_idle(cluster, "decode")

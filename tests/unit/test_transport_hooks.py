@@ -77,6 +77,9 @@ for tid in ("fault-write-1", "plain-1"):
         out[tid] = channel.write_blocks(tid, [0, 1], [1, 2], [3, 4])
     except TransportError as e:
         out[tid] = str(e)
+t0 = time.monotonic()
+out["fault-slow-1"] = channel.write_blocks("fault-slow-1", [0, 1], [1, 2], [3, 4])
+out["slow_write_s"] = time.monotonic() - t0
 for tid in ("fault-noack-1", "plain-1"):
     channel.send_done(tid, 0, 1, 0)
 deadline = time.monotonic() + 5.0
@@ -105,6 +108,9 @@ def test_the_environment_installs_the_fault_hook_in_a_child_process() -> None:
     assert out["hook"] == "FaultHook"
     assert "injected write fault for fault-write-1" in out["fault-write-1"]
     assert out["plain-1"] == 2 * 2 * 256
+    # a slow link: the write waits, then goes through whole
+    assert out["fault-slow-1"] == 2 * 2 * 256
+    assert out["slow_write_s"] >= faults.SLOW_WRITE_DELAY_S
     assert out["acked"] == ["plain-1"]  # fault-noack-1's ack was dropped by D
     assert out["lost"] == []
 
@@ -112,7 +118,7 @@ def test_the_environment_installs_the_fault_hook_in_a_child_process() -> None:
 def test_without_the_variable_every_connection_gets_the_default_hook() -> None:
     out = run_child(faults_on=False)
     assert out["hook"] == "ConnectionHook"
-    assert out["fault-write-1"] == out["plain-1"] == 2 * 2 * 256
+    assert out["fault-write-1"] == out["plain-1"] == out["fault-slow-1"] == 2 * 2 * 256
     assert out["acked"] == ["fault-noack-1", "plain-1"]
 
 

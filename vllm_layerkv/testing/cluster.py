@@ -279,8 +279,8 @@ class PDCluster:
         the streaming afterwards, e.g. in P's trace, on a machine slow enough for D's
         registration to come late). ``decode_kv`` / ``prefill_kv``: D's and P's kv_transfer_params
         instead of the proxy's (e.g. :meth:`mooncake_params`). Returns D's outcome
-        ({"status", "data", "elapsed"}) and P's (status, body); a request that could not be
-        answered has status 0."""
+        ({"status", "data", "elapsed"}, plus "on_streaming": why it was never called, if it
+        was not) and P's (status, body); a request that could not be answered has status 0."""
         p_kv = prefill_kv if prefill_kv is not None else {"do_remote_decode": True,
                                                           "transfer_id": transfer_id}
         result: dict[str, Any] = {"status": 0}
@@ -322,11 +322,15 @@ class PDCluster:
 
             def watch() -> None:
                 deadline = time.monotonic() + 60
-                while time.monotonic() < deadline:
-                    if streaming():
-                        on_streaming()
-                        return
-                    time.sleep(0.05)
+                try:
+                    while time.monotonic() < deadline:
+                        if streaming():
+                            on_streaming()
+                            return
+                        time.sleep(0.05)
+                except Exception as e:  # noqa: BLE001 - reported to the test, not lost in a thread
+                    result["on_streaming"] = f"watching P's trace failed: {e!r}"
+                    return
                 result["on_streaming"] = "P's trace never showed the transfer streaming"
             watcher = threading.Thread(target=watch)
             watcher.start()
@@ -348,7 +352,9 @@ class PDCluster:
         path = Path(f"{self.trace_path}.{role}.{rank}")
         if not path.exists():
             return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        # the process may be writing its last line right now: read whole lines only
+        complete = path.read_text().rpartition("\n")[0]
+        return [json.loads(line) for line in complete.splitlines() if line.strip()]
 
 
 def greedy_completion(url: str, prompt: str, max_tokens: int) -> dict[str, Any]:

@@ -12,6 +12,9 @@ requests.
   then breaks): the last layer group fails after D had time to release the request early.
 * ``fault-noack-...``: D never sends the transfer's acknowledgement (P must free the blocks
   after ``ack_timeout_s``).
+* ``fault-slow-...``: every write of the transfer first waits SLOW_WRITE_DELAY_S, as on a slow
+  link: the stream outlasts P's prefill by seconds, so a test that kills P or D "while KV
+  streams" finds it still streaming however late its kill lands on a loaded machine.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ WRITE_FAULT_PREFIX = "fault-write-"
 NO_ACK_PREFIX = "fault-noack-"
 LATE_WRITE_FAULT_PREFIX = "fault-late-"
 LATE_FAULT_DELAY_S = 0.5
+SLOW_WRITE_PREFIX = "fault-slow-"
+SLOW_WRITE_DELAY_S = 0.25
 
 
 class FaultHook(ConnectionHook):
@@ -37,6 +42,8 @@ class FaultHook(ConnectionHook):
         """``fault-late-`` transfers this end announced as nearly done and has not ended."""
 
     def before_write(self, transfer_id: str) -> None:
+        if transfer_id.startswith(SLOW_WRITE_PREFIX):
+            time.sleep(SLOW_WRITE_DELAY_S)
         if transfer_id in self._late:
             time.sleep(LATE_FAULT_DELAY_S)
         if transfer_id.startswith(WRITE_FAULT_PREFIX) or transfer_id in self._late:
