@@ -1,13 +1,13 @@
 #!/bin/bash
-# What the sweeps (benchmarks/sweep_slow_links.sh, sweep_four_gpus.sh, sweep_decode_graphs.sh)
-# share (sourced by each, from the project root): the settings, the time limit, and running one
-# step. Each step gets the time left to the sweep (less SWEEP_MARGIN for the plots and packing at
-# the end) as its own limit, and is skipped when less than the minimum it names is left: the
-# steps run in order of importance, so a sweep that runs out of time still has its most
-# important results. Every command is written, exactly as run (environment included), to
-# $OUT/commands.txt before it runs; gpu_bench.sh also keeps each run's ttft_bench.py command in
-# $OUT/<run>/command.txt, and ttft_bench.py's summary.json and link_probe.py's output name their
-# command too.
+# What the sweeps (benchmarks/sweep_slow_links.sh, sweep_four_gpus.sh, sweep_decode_graphs.sh,
+# sweep_reads_default.sh) share (sourced by each, from the project root): the settings, the time
+# limit, and running one step. Each step gets the time left to the sweep (less SWEEP_MARGIN for
+# the plots and packing at the end) as its own limit, and is skipped when less than the minimum
+# it names is left: the steps run in order of importance, so a sweep that runs out of time
+# still has its most important results. Every command is written, exactly as run (environment
+# included), to $OUT/commands.txt before it runs; gpu_bench.sh also keeps each run's
+# ttft_bench.py command in $OUT/<run>/command.txt, and ttft_bench.py's summary.json and
+# link_probe.py's output name their command too.
 # DRY_RUN=1 writes the commands without running any.
 set -uo pipefail
 MODEL=${MODEL:-}
@@ -50,7 +50,7 @@ bench_step() {
     return 0
   fi
   local flags=() var  # what gpu_bench.sh reads from its environment, named in the command
-  for var in VLLM_ARGS TP_VLLM_ARGS TORCH_PROFILE_POINTS TORCH_PROFILE_SECONDS \
+  for var in MODEL_CONFIG VLLM_ARGS TP_VLLM_ARGS TORCH_PROFILE_POINTS TORCH_PROFILE_SECONDS \
       TORCH_PROFILE_DELAY; do
     [ -n "${!var:-}" ] && flags+=("$var=${!var}")
   done

@@ -4,8 +4,8 @@ servers it left behind are stopped, but no one else's. Runs the script with stan
 nvidia-smi and python3 (a benchmark that starts a "server" in a session of its own, as vLLM
 servers are started, and never ends). Also: MODEL is required, the extra vLLM flags and the
 command file, and the sweeps (sweep_slow_links.sh, sweep_four_gpus.sh,
-sweep_decode_graphs.sh): their commands, checked against ttft_bench.py's parser and layouts,
-and their time limit."""
+sweep_decode_graphs.sh, sweep_reads_default.sh): their commands, checked against
+ttft_bench.py's parser and layouts, and their time limit."""
 
 from __future__ import annotations
 
@@ -171,7 +171,7 @@ def test_model_is_required_and_must_hold_a_config(tmp_path: Path) -> None:
     for model in (None, str(tmp_path / "nowhere")):
         run_env = env if model is None else {**env, "MODEL": model}
         for script in ("gpu_bench.sh", "sweep_slow_links.sh", "sweep_four_gpus.sh",
-                       "sweep_decode_graphs.sh"):
+                       "sweep_decode_graphs.sh", "sweep_reads_default.sh"):
             r = subprocess.run(["bash", f"benchmarks/{script}", "single", "--"], cwd=ROOT,
                                env=run_env, capture_output=True, text=True, timeout=30)
             assert r.returncode == 2, (script, r.stdout, r.stderr)
@@ -479,3 +479,69 @@ def test_the_decode_graph_sweep_summarises_the_traces_its_run_recorded(
     assert r.returncode == 0, r.stdout + r.stderr
     assert [argv[0] for argv in calls(tmp_path / "c2")] == ["benchmarks/ttft_bench.py"]
     assert "02_decode_profile: skipped, no trace was recorded" in (out2 / "sweep.log").read_text()
+
+
+def test_the_reads_sweep_runs_each_model_family_beside_its_own_single_instance(
+        tmp_path: Path, model: Path) -> None:
+    """Every step has its single instance first (the step's identity reference: the models
+    differ), checks identity, and serves the model family it names; STEPS picks steps."""
+    commands = sweep_commands("sweep_reads_default.sh", tmp_path, model)
+    runs = bench_runs(commands)
+    assert [(run, names) for run, names, _ in runs] == [
+        ("01_llama_c1", ["single", "layerkv", "layerkv-reads"]),
+        ("02_hybrid", ["single", "layerkv-reads"]),
+        ("03_mla_fp8", ["single", "layerkv-reads"]),
+        ("04_llama_fp8", ["single", "layerkv-reads"])]
+    check_runs(runs, model, gpus=2)
+    ttft_bench = load("ttft_bench")
+    parsed = {run: ttft_bench.parse_args(["--device", "cuda", "--model", str(model),
+                                          "--configs", *names, "--out", "/tmp/x", *options])
+              for run, names, options in runs}
+    assert all(args.identity == 4 for args in parsed.values())
+    assert parsed["01_llama_c1"].prompt_lens == [4096, 8192, 16000]
+    assert parsed["01_llama_c1"].cuda_graphs and parsed["01_llama_c1"].kv_cache_dtype is None
+    assert parsed["02_hybrid"].no_prefix_caching
+    assert [run for run, args in parsed.items() if args.kv_cache_dtype == "fp8"] == [
+        "03_mla_fp8", "04_llama_fp8"]
+    model_configs = {}
+    for cmd in commands:
+        env = dict(word.split("=", 1) for word in cmd[1:cmd.index("bash")])
+        model_configs[env["RUN"]] = env.get("MODEL_CONFIG")
+    assert model_configs == {
+        "01_llama_c1": None, "02_hybrid": "benchmarks/gpu_models/nemotronh8b",
+        "03_mla_fp8": "benchmarks/gpu_models/deepseek-v2-lite", "04_llama_fp8": None}
+    for path in filter(None, model_configs.values()):
+        assert (ROOT / path / "config.json").is_file()
+    picked = bench_runs(sweep_commands("sweep_reads_default.sh", tmp_path / "some", model,
+                                       STEPS="llama-fp8 hybrid"))
+    assert [run for run, _, _ in picked] == ["02_hybrid", "04_llama_fp8"]
+
+
+def test_the_reads_sweep_serves_a_step_s_model_config(tmp_path: Path, model: Path) -> None:
+    """Run, not only written: gpu_bench.sh gets the step's MODEL_CONFIG and serves the model
+    it builds from it, with MODEL's tokenizer."""
+    bench = tmp_path / "bench"
+    env = {**os.environ, "PATH": f"{recording_bin(tmp_path)}:{os.environ['PATH']}",
+           "OUT": str(tmp_path / "out"), "MODEL": str(model), "BENCH": str(bench),
+           "CALLS": str(tmp_path / "calls"), "SWEEP_TIMEOUT": "600", "SWEEP_MARGIN": "0",
+           "STEPS": "mla-fp8"}
+    r = subprocess.run(["bash", "benchmarks/sweep_reads_default.sh"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (argv,) = calls(tmp_path / "calls")
+    built = bench / "models" / "deepseek-v2-lite"
+    assert argv[argv.index("--model") + 1] == str(built)
+    assert (built / "config.json").read_text() == (
+        ROOT / "benchmarks" / "gpu_models" / "deepseek-v2-lite" / "config.json").read_text()
+    assert (built / "tokenizer.json").is_file()
+
+
+def test_the_reads_sweep_refuses_a_step_it_does_not_have(tmp_path: Path, model: Path) -> None:
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "MODEL": str(model), "DRY_RUN": "1",
+           "STEPS": "llama mla"}
+    r = subprocess.run(["bash", "benchmarks/sweep_reads_default.sh"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "STEPS='llama mla' names 'mla'; use some of: llama hybrid mla-fp8 llama-fp8" \
+        in r.stderr
+    assert not (tmp_path / "out" / "commands.txt").exists()
