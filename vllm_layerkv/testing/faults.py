@@ -13,8 +13,9 @@ requests.
 * ``fault-noack-...``: D never sends the transfer's acknowledgement (P must free the blocks
   after ``ack_timeout_s``).
 * ``fault-slow-...``: every write of the transfer first waits SLOW_WRITE_DELAY_S, as on a slow
-  link: the stream outlasts P's prefill by seconds, so a test that kills P or D "while KV
-  streams" finds it still streaming however late its kill lands on a loaded machine.
+  link: the stream outlasts P's prefill by seconds (a 6-chunk prompt's 60 writes take 15 s), so
+  a test that kills P or D "while KV streams" finds it still streaming when a loaded machine
+  delivers the kill seconds late.
 """
 
 from __future__ import annotations
