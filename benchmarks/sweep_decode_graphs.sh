@@ -29,15 +29,16 @@
 set -uo pipefail
 source "$(dirname "$0")/sweep_common.sh"
 read -r -a configs <<<"${CONFIGS:-nixl layerkv layerkv-reads}"
-STEPS=" ${STEPS:-graphs rates} "
+asked=${STEPS:-graphs rates}
 RATES=${RATES:-0.5x,0.9x}
 POOL_BLOCKS=${POOL_BLOCKS:-6000}
-for step in $STEPS; do
+for step in $asked; do
   if [ "$step" != graphs ] && [ "$step" != rates ]; then
-    echo "$(basename "$0"): STEPS='${STEPS# }' names '$step'; use graphs, rates or both" >&2
+    echo "$(basename "$0"): STEPS='$asked' names '$step'; use graphs, rates or both" >&2
     exit 2
   fi
 done
+STEPS=" $asked "
 if ! [[ $POOL_BLOCKS =~ ^[1-9][0-9]*$ ]]; then
   echo "$(basename "$0"): POOL_BLOCKS='$POOL_BLOCKS' is not a block count (e.g. 6000)" >&2
   exit 2

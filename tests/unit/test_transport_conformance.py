@@ -1,9 +1,9 @@
 """What every transport must do, run against each one: ``tcp`` (bytes over LayerKV's
 socket), ``nixl`` (NIXL WRITEs over UCX) and ``mooncake`` (Mooncake TransferEngine over tcp),
 and both engines again with ``host_bounce`` on (``+bounce``: every layer group through D's
-receive ring in host memory), all on CPU memory in this process. The same prefill ``Sender`` pushes KV into a decode receiver
-whose ``RecvTable`` decides what may be written; every test checks the bytes in D's KV memory
-(pre-filled with a sentinel, so a stray write shows up).
+receive ring in host memory), all on CPU memory in this process. The same prefill ``Sender``
+pushes KV into a decode receiver whose ``RecvTable`` decides what may be written; every test
+checks the bytes in D's KV memory (pre-filled with a sentinel, so a stray write shows up).
 
 Covered: byte exactness and acks, block lists of every shape (tiny, scattered, large),
 ordering across chunks, interleaved and concurrent transfers, refusals, aborts and failures on

@@ -7,8 +7,9 @@ IPC, shared memory, TCP...).
   handshake: no NIXL listener thread, no side channel port).
 * P adds D's agent on attach and, per write, builds one descriptor per (layer, run of blocks
   adjacent on both sides, counting up or down): a prompt's blocks are often a few runs, so a
-  layer group is a few descriptors. Scattered block lists (more than ``MAX_COALESCED_RUNS`` runs) use per-block
-  descriptor lists prepared once per peer and reused by index for every later request.
+  layer group is a few descriptors. Scattered block lists (more than ``MAX_COALESCED_RUNS``
+  runs) use per-block descriptor lists prepared once per peer and reused by index for every
+  later request.
 * Every descriptor is computed from a request ``AddressedPeer`` checked first: layers and
   block ids against P's KV and D's export, the granted slot and the size against D's ring
   (``kv/bounds.py``).
