@@ -243,6 +243,10 @@ def test_prefill_abort_mid_stream_fails_decode_cleanly(cluster: PDCluster,
 
     th = threading.Thread(target=decode)
     th.start()
+    # send P's request only once P holds D's registration: on a loaded machine it can come
+    # later than registration_wait_s, P then computes chunks without streaming them, and the
+    # disconnect can come after P's request has already finished
+    cluster.wait_for_registration(tid, th, result)
     body = json.dumps({"model": MODEL_NAME, "prompt": prompt, "max_tokens": 1, "temperature": 0,
                        "kv_transfer_params": {"do_remote_decode": True,
                                               "transfer_id": tid}}).encode()
@@ -252,14 +256,19 @@ def test_prefill_abort_mid_stream_fails_decode_cleanly(cluster: PDCluster,
     # disconnect once P has streamed its first chunk (its trace lists the transfer), not
     # after a fixed sleep: how fast P gets through the prompt depends on the machine
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not any(
-            e["ev"] == "step_plan" and tid in e.get("transfer_ids", [])
-            for e in cluster.trace_events()):
+    plans: list[int] = []
+    while time.monotonic() < deadline and not plans:
+        plans = [e["step"] for e in cluster.trace_events()
+                 if e["ev"] == "step_plan" and tid in e.get("transfer_ids", [])]
         time.sleep(0.05)
     sock.close()
     th.join(60)
+    assert plans, "P's trace never showed the transfer streaming"
     assert result.get("status", 0) >= 500, result
     assert result["elapsed"] < 30, result
+    # P stopped mid-stream: it never told D the transfer was complete
+    assert not any(e["ev"] == "transfer_done_sent" and e.get("transfer_id") == tid
+                   for e in cluster.trace_events())
 
 
 def test_transfer_error_fails_decode_at_once(cluster: PDCluster, no_leaks: None) -> None:

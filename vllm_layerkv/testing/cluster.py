@@ -299,10 +299,6 @@ class PDCluster:
                 result["data"] = repr(e)
             result["elapsed"] = time.monotonic() - t
 
-        def registered() -> bool:
-            return any(e["ev"] == "reg_arrived" and e.get("transfer_id") == transfer_id
-                       for e in self.trace_events("psched"))
-
         def streaming() -> bool:
             return any(e["ev"] == "step_plan" and transfer_id in e.get("transfer_ids", [])
                        for e in self.trace_events())
@@ -311,13 +307,7 @@ class PDCluster:
         th.start()
         watcher = None
         if on_streaming is not None or await_registration:
-            deadline = time.monotonic() + 60
-            while not registered():
-                if time.monotonic() > deadline or not th.is_alive():
-                    th.join(120)
-                    raise AssertionError(f"P never received D's registration of transfer "
-                                         f"{transfer_id}; D answered {result}")
-                time.sleep(0.05)
+            self.wait_for_registration(transfer_id, th, result)
         if on_streaming is not None:
 
             def watch() -> None:
@@ -344,6 +334,22 @@ class PDCluster:
             watcher.join(90)
         th.join(120)
         return result, p
+
+    def wait_for_registration(self, transfer_id: str, decode: threading.Thread,
+                              decode_result: dict[str, Any]) -> None:
+        """Wait until P's scheduler holds D's registration of ``transfer_id``. A caller that
+        needs P to stream from the first chunk sends P's request only after this: on a loaded
+        machine D's registration can come so late that P finishes the prompt first.
+        ``decode`` is the thread sending D's request; if it ends first, or after 60 s, this
+        fails with D's answer (``decode_result``)."""
+        deadline = time.monotonic() + 60
+        while not any(e["ev"] == "reg_arrived" and e.get("transfer_id") == transfer_id
+                      for e in self.trace_events("psched")):
+            if time.monotonic() > deadline or not decode.is_alive():
+                decode.join(120)
+                raise AssertionError(f"P never received D's registration of transfer "
+                                     f"{transfer_id}; D answered {decode_result}")
+            time.sleep(0.05)
 
     def trace_events(self, role: str = "p", rank: int = 0) -> list[dict[str, Any]]:
         """The trace of one worker: ``role`` "p" or "d" (D traces only if its
