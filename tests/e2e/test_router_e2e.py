@@ -319,14 +319,17 @@ def test_concurrent_mooncake_contract_streams_during_prefill(cluster: PDCluster,
     matches the reference, and P's trace shows, in a prefill step of this transfer, more than
     one layer group enqueued and a group's send started before the step's last layer ran.
     The same P served vllm-router's sequential requests just before (and stopped holding
-    prefills back for registrations): it streams again as soon as one arrives in time."""
+    prefills back for registrations): it streams again as soon as one arrives in time. P's
+    request goes out once P holds D's registration, which on a loaded machine can come later
+    than registration_wait_s (P would then compute chunks before streaming them)."""
     assert cluster.reference is not None
     prompt = make_prompt(1200, seed=7201)  # ~1,550 tokens: 7 chunks of 256 on P
     tid = f"xfer-{uuid.uuid4()}"
     counters = Counters([cluster.prefill], [cluster.decode])
     d, (p_status, p_data) = cluster.prefill_and_decode(
         tid, prompt, max_tokens=MAX_TOKENS, decode_kv=cluster.mooncake_params(tid),
-        prefill_kv={"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": tid})
+        prefill_kv={"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": tid},
+        await_registration=True)
     assert p_status == 200, p_data
     assert d["status"] == 200, d
     ref = post_ok(cluster.reference.url, "/v1/completions",
