@@ -87,11 +87,11 @@ def shift_block_ids(engine: Engine, num_tokens: int = 80) -> None:
         t.fill_(-1)
 
 
-def wait_registration_arrived(p: Engine, timeout: float = 5.0) -> None:
-    """Until D's Register is queued in P's scheduler (peeks at private state)."""
+def wait_registration_arrived(p: Engine, timeout: float = 5.0, count: int = 1) -> None:
+    """Until ``count`` of D's Registers are queued in P's scheduler (peeks at private state)."""
     incoming = p.connector._scheduler._prefill._incoming
     deadline = time.monotonic() + timeout
-    while incoming.empty():
+    while incoming.qsize() < count:
         assert time.monotonic() < deadline, "registration did not reach P"
         time.sleep(0.005)
 
@@ -678,13 +678,17 @@ def test_one_prefill_feeds_two_decode_instances_at_once(engines) -> None:
     p = engines("kv_producer", P_EXTRA, max_num_batched_tokens=2 * CHUNK)
     ds = [engines("kv_consumer"), engines("kv_consumer")]
     shift_block_ids(ds[1], 160)  # the two D's block ids differ from each other and from P's
+    endpoint = p.endpoint  # a discovery request: P steps, so only before the registrations
     rds, d_blocks = [], []
     for i, d in enumerate(ds):
-        rd = create_request(150, decode_params(f"t-{i}", p.endpoint), max_tokens=2, seed=20 + i)
+        rd = create_request(150, decode_params(f"t-{i}", endpoint), max_tokens=2, seed=20 + i)
         d.scheduler.add_request(rd)
         d.step()
         rds.append(rd)
         d_blocks.append(d.block_ids(rd.request_id))
+    # both registrations first: one that came late would hold its prompt back until the other
+    # prompt had finished (as on a loaded machine), and the two would never share a step
+    wait_registration_arrived(p, count=2)
     rps = [create_request(150, {"do_remote_decode": True, "transfer_id": f"t-{i}"},
                           seed=20 + i) for i in range(2)]
     for rp in rps:
