@@ -813,12 +813,15 @@ def _rows(engine: Engine, layer: int, blocks: list[int], tokens: range) -> torch
     return torch.stack([t[blocks[i // BLOCK_SIZE], :, i % BLOCK_SIZE, :] for i in tokens])
 
 
-def test_mamba_hybrid_sends_state_once_after_the_last_chunk(engines) -> None:
+@pytest.mark.parametrize("state_views", [False, True], ids=["state-tensor", "state-views"])
+def test_mamba_hybrid_sends_state_once_after_the_last_chunk(engines, state_views) -> None:
     """Even layers Mamba (one state slot per request), odd layers full attention. P computes
     the prompt minus its last token; the state slot goes once, with the last chunk, and holds
-    h(N-1) on D; D computes token N-1 itself."""
-    p = engines("kv_producer", P_EXTRA, max_num_batched_tokens=CHUNK, hybrid="mamba")
-    d = engines("kv_consumer", hybrid="mamba")
+    h(N-1) on D; D computes token N-1 itself. The first layer is a Mamba layer, registered as
+    one tensor (vLLM 0.32+) or as vLLM 0.26's list of state views."""
+    p = engines("kv_producer", P_EXTRA, max_num_batched_tokens=CHUNK, hybrid="mamba",
+                mamba_state_views=state_views)
+    d = engines("kv_consumer", hybrid="mamba", mamba_state_views=state_views)
     endpoint = p.endpoint
     shift_block_ids(d)
     prompt = 150

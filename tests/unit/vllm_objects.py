@@ -169,6 +169,17 @@ def kv_value(token: int, layer: int, salt: int) -> float:
     return float(salt * 65536 + layer * 4096 + token + 1)
 
 
+def mamba_state_views_of(pages: torch.Tensor) -> list[torch.Tensor]:
+    """vLLM 0.26's registration of a Mamba layer: its conv and SSM state (the shapes of
+    ``create_kv_cache_config``'s MambaSpec) as strided views into the layer's padded pages,
+    conv state first."""
+    page = pages[0].numel()
+    flat = pages.view(-1)
+    conv = torch.as_strided(flat, (pages.shape[0], 3, 8), (page, 8, 1))
+    ssm = torch.as_strided(flat[3 * 8:], (pages.shape[0], 4, 16), (page, 16, 1))
+    return [conv, ssm]
+
+
 @dataclass
 class StepRecord:
     meta: LayerKVMetadata
@@ -200,7 +211,10 @@ class Engine:
     @classmethod
     def create(cls, role: str, extra: dict[str, Any] | None = None, *, num_blocks: int = 64,
                dtype: torch.dtype = torch.float32, fill: float = -1.0,
-               hybrid: str | None = None, **config_kw: Any) -> Engine:
+               hybrid: str | None = None, mamba_state_views: bool = False,
+               **config_kw: Any) -> Engine:
+        """``mamba_state_views``: register each Mamba layer as vLLM 0.26 does, as
+        ``[conv_state, ssm_state]`` views into its pages (0.32+: one tensor per layer)."""
         vllm_config = create_vllm_config(role, extra, **config_kw)
         kv_cache_config = create_kv_cache_config(num_blocks, dtype, hybrid=hybrid)
         scheduler = create_scheduler(vllm_config, kv_cache_config)
@@ -208,7 +222,12 @@ class Engine:
         worker = LayerKVConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
         kv = {name: torch.full((num_blocks, KV_HEADS, BLOCK_SIZE, 2 * HEAD_SIZE), fill,
                                dtype=dtype) for name in LAYER_NAMES}
-        worker.register_kv_caches(kv)
+        registered: dict[str, Any] = dict(kv)
+        if mamba_state_views:
+            assert hybrid == "mamba"
+            for name in LAYER_NAMES[0::2]:
+                registered[name] = mamba_state_views_of(kv[name])
+        worker.register_kv_caches(registered)
         # vLLM's handshake: each worker's metadata reaches its own scheduler connector
         scheduler.connector.set_xfer_handshake_metadata({0: worker.get_handshake_metadata()})
         return cls(role, vllm_config, kv_cache_config, scheduler, worker, kv)

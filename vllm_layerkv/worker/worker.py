@@ -96,9 +96,10 @@ class LayerKVWorker:
             self._sender = Sender(parts, SenderTuning.from_config(self._config))
             self._prefill = PrefillWorker(self._config, layout, self._sender, self._tracer,
                                           self._stats)
-        device = next(iter(kv_caches.values())).device.type
+        # the layout's device, not a value of kv_caches: vLLM 0.26 registers a Mamba layer as
+        # a list of state tensors, and a hybrid model's first layer may be one
         self._early_release, why_not = early_release_applies(
-            self._config.early_release, len(groups), self._tp_size, device)
+            self._config.early_release, len(groups), self._tp_size, layout.device.type)
         if self._is_consumer and self._config.early_release and not self._early_release:
             logger.info("LayerKV: early_release does not apply here (%s)", why_not)
         if self._is_consumer:
