@@ -299,7 +299,7 @@ def fixture(wheel: WheelSource, command: str) -> JsonDict:
 
 
 def render(data: JsonDict) -> str:
-    return json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+    return json.dumps(data, indent=1, sort_keys=True, ensure_ascii=False) + "\n"
 
 
 def download(requirement: str, dest: Path) -> Path:
