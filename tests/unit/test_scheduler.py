@@ -859,7 +859,8 @@ def test_mamba_hybrid_sends_state_once_after_the_last_chunk(engines, state_views
             rows = _rows(d, layer, d_attn, range(prompt - 1))
             assert torch.equal(rows, want[:, None, None].expand_as(rows)), f"layer {layer}"
     run_both_until_idle(p, d)
-    d_steps = [r.num_scheduled[rd.request_id] for r in d.history if rd.request_id in r.num_scheduled]
+    d_steps = [r.num_scheduled[rd.request_id] for r in d.history
+               if rd.request_id in r.num_scheduled]
     assert d_steps[0] == 1  # D computed the last prompt token itself
     assert d.finished[rd.request_id].finish_reason == FinishReason.LENGTH
     assert len(sends_of(p)) == 3

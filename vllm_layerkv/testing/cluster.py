@@ -425,9 +425,10 @@ def log_since(path: Path, offset: int) -> str:
 def transports_used(prefill_log: str) -> str:
     """What a prefill instance's log says it moved KV with, e.g. "nixl" or "cuda_ipc+tcp": the
     choice is made per decode endpoint when its channel opens and logged with the reason
-    (``transport/tcp.py``); a worker set to plain tcp says so when it is ready."""
-    used = sorted(set(re.findall(r"writing KV into decode \S+ directly via (\w+)",
-                                 prefill_log)))
+    (``transport/tcp.py``: P writes into D's memory, or with ``cuda_ipc_reads`` D reads P's); a
+    worker set to plain tcp says so when it is ready."""
+    used = sorted(set(re.findall(
+        r"(?:writing KV into|KV read by) decode \S+ directly via (\w+)", prefill_log)))
     if "over TCP (" in prefill_log or re.search(r"transport tcp(,|$)", prefill_log,
                                                   re.MULTILINE):
         used.append("tcp")
