@@ -5,6 +5,7 @@ leaves behind."""
 from __future__ import annotations
 
 import json
+import socket
 import sys
 import tempfile
 import threading
@@ -154,3 +155,20 @@ def test_free_port_never_hands_out_a_port_twice() -> None:
 
     ports = [free_port() for _ in range(300)]
     assert len(set(ports)) == len(ports)
+
+
+def test_free_port_stays_below_the_kernels_ephemeral_range() -> None:
+    """A port from bind-to-0 can go to the next listener that binds port 0 (another server's
+    own listener) before the server it was picked for binds it."""
+    from vllm_layerkv.testing.servers import ephemeral_port_range, free_port
+
+    lo, hi = ephemeral_port_range()
+    assert 0 < lo <= hi
+    ports = [free_port() for _ in range(50)]
+    if lo - 10000 >= 1000:
+        assert all(10000 <= p < lo for p in ports), (lo, ports)
+    for p in ports:  # each one can be listened on
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", p))
+            s.listen()

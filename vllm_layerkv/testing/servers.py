@@ -43,6 +43,7 @@ import getpass
 import importlib.metadata
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -114,14 +115,51 @@ class ServerError(RuntimeError):
 
 
 _PORTS_GIVEN: set[int] = set()
+_LOWEST_PORT = 10000
+"""Ports handed out for servers start here, below the kernel's ephemeral range."""
+
+
+def ephemeral_port_range() -> tuple[int, int]:
+    """The ports the kernel gives to bind-to-0 and to outgoing connections (Linux's
+    ``ip_local_port_range``; its default elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(v) for v in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def free_port(host: str = LOCALHOST) -> int:
-    """A TCP port that is free right now (the bind-to-0 trick), and never one this process has
-    handed out before. The kernel may give the same port twice while nothing listens on it
-    yet, and vLLM's API server binds with SO_REUSEPORT, so two servers started on one port
-    both come up and share its requests (seen in CI: a prefill instance got decode requests)."""
-    for _ in range(100):
+    """A TCP port that is free right now, never one this process has handed out before, and
+    below the kernel's ephemeral range where it leaves room.
+
+    * Never twice: two vLLM servers (SO_REUSEPORT) started on one port both come up and share
+      its requests (seen in CI: a prefill instance got decode requests).
+    * Not ephemeral: a port from bind-to-0 is one the kernel may hand to the next listener
+      that binds port 0 before the server it was meant for binds it: a prefill instance's
+      registration listener (port 0) can take the port its bootstrap endpoint is configured
+      with, which then logs the port in use, and a decode's bootstrap query reaches the
+      registration listener and is reset ("Connection reset by peer")."""
+    lo, _ = ephemeral_port_range()
+    if lo - _LOWEST_PORT >= 1000:
+        rng = random.Random()
+        for _ in range(200):
+            port = rng.randrange(_LOWEST_PORT, lo)
+            if port not in _PORTS_GIVEN and _bindable(host, port):
+                _PORTS_GIVEN.add(port)
+                return port
+    for _ in range(100):  # no room below the ephemeral range: bind-to-0
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind((host, 0))
