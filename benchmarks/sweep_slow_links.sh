@@ -11,7 +11,9 @@
 #   4. open-loop rates over CUDA IPC: single (which measures P's prefill capacity), single-x2
 #      (two single instances behind vllm-router round_robin), nixl, layerkv and layerkv-reads
 #      (D reads P's KV) at RATES of it;
-#      then nixl-tcp and layerkv-nixl-tcp (UCX tcp) at the same rates;
+#      then nixl-tcp and layerkv-nixl-tcp (UCX tcp) at the same rates, UCX_RATE_SHAPE
+#      (4096:128:30) with 5 warm-up requests per rate: NixlConnector over UCX tcp completes
+#      about 0.8 requests/s, so a point of 200 would take it 4 minutes;
 #   5. the tables and plots (plot_link_rates.py, plot_results.py) under $OUT/plots.
 # Each benchmark run is a gpu_bench.sh run in $OUT/<step>; $OUT/commands.txt has every command.
 # CUDA_GRAPHS=0 runs every instance eager (default 1: --cuda-graphs, as the headline results).
@@ -19,6 +21,7 @@ set -uo pipefail
 source "$(dirname "$0")/sweep_common.sh"
 RATES=${RATES:-0.5x,0.7x,0.9x}
 RATE_SHAPE=${RATE_SHAPE:-4096:128:200}
+UCX_RATE_SHAPE=${UCX_RATE_SHAPE:-4096:128:30}
 NUM_PROMPTS=${NUM_PROMPTS:-5}
 graphs=(--cuda-graphs); [ "${CUDA_GRAPHS:-1}" = 0 ] && graphs=()
 probes=("$OUT/01_probe/probe.json" "$OUT/01_probe/probe_ucx_tcp.json")
@@ -44,9 +47,9 @@ bench_step 04_rates_cuda_ipc 600 single single-x2 nixl layerkv layerkv-reads -- 
 
 # the same rates over UCX tcp, at the capacity step 04 measured on the single instance
 bench_step 04_rates_ucx_tcp 600 nixl-tcp layerkv-nixl-tcp -- "${graphs[@]}" \
-  --prompt-lens "${RATE_SHAPE%%:*}" --num-prompts "$NUM_PROMPTS" --rates "$RATES" \
-  --rate-shape "$RATE_SHAPE" --capacity-from "$OUT/04_rates_cuda_ipc/summary.json" \
-  --link-probe "${probes[@]}"
+  --prompt-lens "${UCX_RATE_SHAPE%%:*}" --num-prompts "$NUM_PROMPTS" --rates "$RATES" \
+  --rate-shape "$UCX_RATE_SHAPE" --rate-warmup 5 \
+  --capacity-from "$OUT/04_rates_cuda_ipc/summary.json" --link-probe "${probes[@]}"
 
 plain_step 05_plot_link_rates 10 300 python3 benchmarks/plot_link_rates.py "$OUT/02_c1_links" \
   --prompt-lens 8192 16000 --out "$OUT/plots"

@@ -273,6 +273,9 @@ def test_the_slow_link_sweep_runs_the_probe_first_then_its_benchmarks_in_order(
     check_runs(runs, model, gpus=2)
     ucx = runs[3][2]
     assert ucx[ucx.index("--capacity-from") + 1].endswith("04_rates_cuda_ipc/summary.json")
+    # NixlConnector over UCX tcp completes about 0.8 requests/s: short points
+    assert ucx[ucx.index("--rate-shape") + 1] == "4096:128:30"
+    assert ucx[ucx.index("--rate-warmup") + 1] == "5"
     c1 = runs[0][2]
     probes = c1[c1.index("--link-probe") + 1:]
     assert probes == [commands[0][commands[0].index("--out") + 1],
