@@ -1,7 +1,7 @@
 #!/bin/bash
 # Whether cuda_ipc_reads can be LayerKV's default over CUDA IPC: each model family LayerKV serves,
 # with greedy identity, on a host with two GPUs, from the project root:
-#   MODEL=/path/to/llama8b OUT=/tmp/out SWEEP_TIMEOUT=1500 bash benchmarks/sweep_reads_default.sh
+#   MODEL=/path/to/llama8b OUT=/tmp/out SWEEP_TIMEOUT=1800 bash benchmarks/sweep_reads_default.sh
 # With cuda_ipc_reads, D maps P's KV and copies each layer group itself. Open loop, it meets the
 # CUDA IPC targets against NixlConnector where P writing misses TPOT
 # (benchmarks/results/2026-11-27-x2-h200-decode-reads), but only the Llama-3.1-8B shape has run
@@ -10,15 +10,16 @@
 #   1. llama: single, layerkv, layerkv-reads at c=1, 4K / 8K / 16K, CUDA graphs, identity on 4
 #      prompts: the NVLink target (<= 1.05x single) beside P writing;
 #   2. hybrid: benchmarks/gpu_models/nemotronh8b (Mamba2 + attention: the Mamba state goes once,
-#      at the end), single and layerkv-reads at 8K, as its first run (eager, no prefix caching);
+#      at the end), single, layerkv and layerkv-reads at 8K (eager, no prefix caching); layerkv
+#      too, as vLLM 0.26 registers Mamba layers in a form the CPU tests' vLLM does not;
 #   3. mla-fp8: benchmarks/gpu_models/deepseek-v2-lite (MLA) with an fp8 KV cache, single and
 #      layerkv-reads at 1K / 4K, CUDA graphs;
 #   4. llama-fp8: the Llama-3.1-8B shape with an fp8 KV cache, single and layerkv-reads at 4K /
 #      16K, CUDA graphs.
 # STEPS (default "llama hybrid mla-fp8 llama-fp8") picks the steps. On 2 x H100 (2026-11-28) the
-# llama step took 6 minutes, and each other step needs 5-6: every configuration starts its own
-# servers, and with CUDA graphs a start takes 1.5-2.5 minutes. Under a 10-minute limit per
-# call, run one step per call. Each step is skipped when less than its minimum is left of
+# llama step took 6 minutes; mla-fp8 and llama-fp8 need 5-6, hybrid about 7: each configuration
+# starts its own servers, and with CUDA graphs a start takes 1.5-2.5 minutes. Under a 10-minute
+# limit per call, run one step per call. Each step is skipped when less than its minimum is left of
 # SWEEP_TIMEOUT (sweep_common.sh).
 set -uo pipefail
 source "$(dirname "$0")/sweep_common.sh"
@@ -39,8 +40,8 @@ if [[ $STEPS == *" llama "* ]]; then
 fi
 if [[ $STEPS == *" hybrid "* ]]; then
   MODEL_CONFIG=benchmarks/gpu_models/nemotronh8b \
-    bench_step 02_hybrid 300 single layerkv-reads -- --no-prefix-caching --prompt-lens 8192 \
-    --num-prompts 3 --identity 4 --start-timeout 200
+    bench_step 02_hybrid 420 single layerkv layerkv-reads -- --no-prefix-caching \
+    --prompt-lens 8192 --num-prompts 3 --identity 4 --start-timeout 200
 fi
 if [[ $STEPS == *" mla-fp8 "* ]]; then
   MODEL_CONFIG=benchmarks/gpu_models/deepseek-v2-lite \

@@ -492,7 +492,7 @@ def test_the_reads_sweep_runs_each_model_family_beside_its_own_single_instance(
     runs = bench_runs(commands)
     assert [(run, names) for run, names, _ in runs] == [
         ("01_llama_c1", ["single", "layerkv", "layerkv-reads"]),
-        ("02_hybrid", ["single", "layerkv-reads"]),
+        ("02_hybrid", ["single", "layerkv", "layerkv-reads"]),
         ("03_mla_fp8", ["single", "layerkv-reads"]),
         ("04_llama_fp8", ["single", "layerkv-reads"])]
     check_runs(runs, model, gpus=2)
