@@ -79,6 +79,8 @@ def create_vllm_config(kv_role: str, extra: dict[str, Any] | None = None, *,
 
 SLIDING_WINDOW = 32
 MAMBA_BLOCK_SIZE = BLOCK_SIZE
+MAMBA_STATE_SHAPES = ((3, 8), (4, 16))
+"""Conv and SSM state of one Mamba layer, per request (``create_kv_cache_config``)."""
 """A served model's Mamba group (no prefix caching) has max_model_len as block size, so one
 state slot per request; here the scheduler's granularity forces the attention block size, so
 a request holds several slots and its running state is in the last one (which is what vLLM's
@@ -97,7 +99,7 @@ def create_kv_cache_config(num_blocks: int, dtype: torch.dtype = torch.float32,
         return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
                              kv_cache_groups=[KVCacheGroupSpec(list(LAYER_NAMES), full)])
     if hybrid == "mamba":
-        other: Any = MambaSpec(block_size=MAMBA_BLOCK_SIZE, shapes=((3, 8), (4, 16)),
+        other: Any = MambaSpec(block_size=MAMBA_BLOCK_SIZE, shapes=MAMBA_STATE_SHAPES,
                                dtypes=(dtype, dtype), page_size_padded=full.page_size_bytes)
     else:
         other = SlidingWindowSpec(block_size=block_size, num_kv_heads=KV_HEADS,
@@ -170,14 +172,16 @@ def kv_value(token: int, layer: int, salt: int) -> float:
 
 
 def mamba_state_views_of(pages: torch.Tensor) -> list[torch.Tensor]:
-    """vLLM 0.26's registration of a Mamba layer: its conv and SSM state (the shapes of
-    ``create_kv_cache_config``'s MambaSpec) as strided views into the layer's padded pages,
-    conv state first."""
-    page = pages[0].numel()
-    flat = pages.view(-1)
-    conv = torch.as_strided(flat, (pages.shape[0], 3, 8), (page, 8, 1))
-    ssm = torch.as_strided(flat[3 * 8:], (pages.shape[0], 4, 16), (page, 16, 1))
-    return [conv, ssm]
+    """vLLM 0.26's registration of a Mamba layer: its conv and SSM state
+    (``MAMBA_STATE_SHAPES``) as strided views into the layer's padded pages, one after the
+    other in each page, conv state first."""
+    page, offset = pages[0].numel(), 0
+    views: list[torch.Tensor] = []
+    for rows, cols in MAMBA_STATE_SHAPES:
+        views.append(torch.as_strided(pages.view(-1)[offset:], (pages.shape[0], rows, cols),
+                                      (page, cols, 1)))
+        offset += rows * cols
+    return views
 
 
 @dataclass
