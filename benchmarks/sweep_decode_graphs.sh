@@ -2,16 +2,17 @@
 # D's decode steps under each way the KV reaches it, in one call, on a host with two GPUs,
 # from the project root:
 #   MODEL=/path/to/llama8b OUT=/tmp/out SWEEP_TIMEOUT=900 bash benchmarks/sweep_decode_graphs.sh
-# Why: LayerKV's D takes about 0.17 ms longer per decode step than NixlConnector's. It runs the
-# same kernels in the same time, but with longer gaps between them inside its CUDA graph
+# Why: LayerKV's D with P writing into its memory took about 0.17 ms longer per decode step than
+# NixlConnector's. It ran the same kernels in the same time, but with longer gaps between them
+# inside its CUDA graph
 # (benchmarks/results/2026-11-27-x4-h200-decode-graphs). The short gaps go with D's CUDA context
 # mapping P's KV, as NixlConnector's D does over UCX's cuda_ipc: without that mapping
-# (nixl-tcp, layerkv, layerkv-tcp) D has the long ones
-# (benchmarks/results/2026-11-27-x2-h200-decode-mapping). layerkv-reads is LayerKV with
-# cuda_ipc_reads, where D maps P's KV and copies each group itself. GPUs differ from each other
+# (nixl-tcp, layerkv-writes, layerkv-tcp) D has the long ones
+# (benchmarks/results/2026-11-27-x2-h200-decode-mapping). layerkv is LayerKV's default, where D
+# maps P's KV and copies each group itself (cuda_ipc_reads); layerkv-writes has P write instead. GPUs differ from each other
 # by about as much as the effect, so every configuration runs on the same pair, one after the
 # other:
-#   1. CONFIGS (default: nixl layerkv layerkv-reads) with CUDA graphs, each with a c=1 decode
+#   1. CONFIGS (default: nixl layerkv layerkv-writes) with CUDA graphs, each with a c=1 decode
 #      point (6 requests of 4,096 + 512 tokens) whose decoding instance the torch profiler
 #      records for TORCH_PROFILE_SECONDS (1.5) from TORCH_PROFILE_DELAY (5) seconds in;
 #   2. decode_profile.py over every trace: $OUT/decode_profile.json and its table, with the
@@ -28,7 +29,7 @@
 # together take about 12 minutes.
 set -uo pipefail
 source "$(dirname "$0")/sweep_common.sh"
-read -r -a configs <<<"${CONFIGS:-nixl layerkv layerkv-reads}"
+read -r -a configs <<<"${CONFIGS:-nixl layerkv layerkv-writes}"
 asked=${STEPS:-graphs rates}
 RATES=${RATES:-0.5x,0.9x}
 POOL_BLOCKS=${POOL_BLOCKS:-6000}

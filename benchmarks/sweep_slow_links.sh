@@ -9,8 +9,8 @@
 #   3. c=1 at 4K / 8K / 16K: layerkv, layerkv-auth, layerkv-tcp, layerkv-tcp-auth (the cost of
 #      authentication, side by side);
 #   4. open-loop rates over CUDA IPC: single (which measures P's prefill capacity), single-x2
-#      (two single instances behind vllm-router round_robin), nixl, layerkv and layerkv-reads
-#      (D reads P's KV) at RATES of it;
+#      (two single instances behind vllm-router round_robin), nixl, layerkv (D reads P's KV) and
+#      layerkv-writes (P writes into D's) at RATES of it;
 #      then nixl-tcp and layerkv-nixl-tcp (UCX tcp) at the same rates, UCX_RATE_SHAPE
 #      (4096:128:30) with 5 warm-up requests per rate: NixlConnector over UCX tcp completes
 #      about 0.8 requests/s, so a point of 200 would take it 4 minutes;
@@ -41,7 +41,7 @@ bench_step 02_c1_links 600 single layerkv-tcp layerkv-tcp-100g layerkv-tcp-50g \
 bench_step 03_c1_auth 400 layerkv layerkv-auth layerkv-tcp layerkv-tcp-auth -- "${graphs[@]}" \
   --prompt-lens 4096 8192 16000 --num-prompts "$NUM_PROMPTS" --link-probe "${probes[@]}"
 
-bench_step 04_rates_cuda_ipc 600 single single-x2 nixl layerkv layerkv-reads -- "${graphs[@]}" \
+bench_step 04_rates_cuda_ipc 600 single single-x2 nixl layerkv layerkv-writes -- "${graphs[@]}" \
   --prompt-lens "${RATE_SHAPE%%:*}" --num-prompts "$NUM_PROMPTS" --rates "$RATES" \
   --rate-shape "$RATE_SHAPE" --link-probe "${probes[@]}"
 

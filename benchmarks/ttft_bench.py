@@ -22,15 +22,17 @@ Configurations (``--configs``):
                two GPUs a P/D pair uses)
   nixl         NixlConnector P (GPU 0) + D (GPU 1), sequential pull proxy (benchmarks/nixl_proxy.py)
   nixl-tcp     same with UCX_TLS=tcp,cuda_copy,self (no GPU-direct)
-  layerkv      LayerKV P + D behind the project's proxy (transport auto: CUDA IPC on one host)
+  layerkv      LayerKV P + D behind the project's proxy (transport auto: CUDA IPC on one host,
+               where D maps P's KV and copies each group itself: cuda_ipc_reads, the default)
   layerkv-tcp  same with transport=tcp (KV through pinned host memory and a TCP socket)
   layerkv-tcp-<N>g  layerkv-tcp with P's sends paced to N Gb/s (tcp_pacing_gbps: a slower
                link emulated), e.g. layerkv-tcp-10g, -25g, -50g, -100g
   layerkv-auth, layerkv-tcp-auth  layerkv / layerkv-tcp with a shared secret on P and D
                (LAYERKV_AUTH_SECRET, a random one per run): the cost of authentication
   layerkv-noearly   same with early_release=false (D reports a request only once its KV is in)
-  layerkv-reads     same with cuda_ipc_reads=true (D maps P's KV and copies each group itself,
-                    as NixlConnector's D does, instead of P writing into D's memory)
+  layerkv-writes    same with cuda_ipc_reads=false (P writes into D's memory instead)
+  layerkv-reads     same with cuda_ipc_reads=true, named: the default since 2026-11-28, so the
+                    same as layerkv
   layerkv-ft   same behind the proxy with --first-token-from-prefill (the client's first token
                is P's; D continues from it)
   layerkv-nixl      same with transport=nixl (UCX's default transports: CUDA IPC between GPUs)
@@ -355,6 +357,7 @@ LAYERKV_CONFIGS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
     "layerkv-auth": ({}, {"LAYERKV_AUTH_SECRET": AUTH_SECRET}),
     "layerkv-tcp-auth": ({"transport": "tcp"}, {"LAYERKV_AUTH_SECRET": AUTH_SECRET}),
     "layerkv-noearly": ({"early_release": False}, {}),
+    "layerkv-writes": ({"cuda_ipc_reads": False}, {}),
     "layerkv-reads": ({"cuda_ipc_reads": True}, {}),
     "layerkv-ft": ({}, {}),
     "layerkv-nixl": ({"transport": "nixl"}, {}),

@@ -71,13 +71,15 @@ class LayerKVConfig:
     memory itself (RDMA, CUDA IPC, gdr_copy), e.g. ``tcp,cuda_copy,self``; off otherwise and
     for Mooncake. Takes effect when both P and D have it on; D then holds ``recv_ring_slots``
     x ``staging_buffer_mb`` of pinned host memory for the ring."""
-    cuda_ipc_reads: bool = False
+    cuda_ipc_reads: bool = True
     """D, CUDA IPC (same host, same TP): map P's KV and copy each layer group itself when P
     announces it (``DirectRead``), as NixlConnector's D does, instead of P writing into D's
-    memory. A decode GPU whose CUDA context maps a peer's memory this way ran its decode graph
-    with shorter gaps between kernels (4.67 against 4.83-4.85 ms per step on an H200); off
-    until LayerKV's own reads are measured. Takes effect when both P (which then offers its KV
-    to the decode instances it connects to) and D have it on."""
+    memory. A decode GPU whose CUDA context maps a peer's memory this way runs its decode graph
+    with shorter gaps between kernels (4.64 against 4.80 ms per step on an H200 pair), so TPOT
+    under load matches NixlConnector's. Takes effect when both P (which then offers its KV to
+    the decode instances it connects to) and D have it on; otherwise, with another TP, or when
+    the mapping fails, P writes into D. False: P always writes (P's KV is then mapped by no
+    other process)."""
     mooncake_protocol: str = "tcp"
     """transport mooncake/auto: the TransferEngine protocol, "tcp" or "rdma"."""
     mooncake_device: str = ""

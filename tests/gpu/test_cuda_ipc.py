@@ -82,8 +82,9 @@ def assert_exact(d_res: dict, count: int) -> None:
 def test_auto_copies_device_to_device_byte_exact() -> None:
     """4K tokens of Llama-8B KV (256 blocks x 32 layers = 512 MiB) in 8 layer groups."""
     p_res, d_res = run_pair("auto", [contiguous(256)])
-    # auto: CUDA IPC first, then NIXL / Mooncake when installed, then bytes
+    # auto: CUDA IPC first, then NIXL / Mooncake when installed, then bytes; D reads by default
     assert p_res["direct"] and p_res["transport"].startswith("tcp+cuda_ipc")
+    assert p_res["reads"]
     assert all(s == "acked" for s in p_res["states"].values()), p_res["states"]
     assert_exact(d_res, 1)
 
@@ -91,8 +92,9 @@ def test_auto_copies_device_to_device_byte_exact() -> None:
 def test_scattered_blocks_use_the_gather_path() -> None:
     src = list(range(0, 600, 3))[:150]
     dst = list(range(1000, 400, -4))[:150]
-    p_res, d_res = run_pair("cuda_ipc", [{"src": src, "dst": dst}, contiguous(40, 700, 10)])
-    assert p_res["direct"]
+    p_res, d_res = run_pair("cuda_ipc", [{"src": src, "dst": dst}, contiguous(40, 700, 10)],
+                            config={"cuda_ipc_reads": False})  # P writes: its gather path
+    assert p_res["direct"] and not p_res["reads"]
     assert_exact(d_res, 2)
 
 

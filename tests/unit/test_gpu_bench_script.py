@@ -268,7 +268,7 @@ def test_the_slow_link_sweep_runs_the_probe_first_then_its_benchmarks_in_order(
                          "layerkv-tcp-25g", "layerkv-tcp-10g", "layerkv-nixl-tcp",
                          "nixl-tcp"]),
         ("03_c1_auth", ["layerkv", "layerkv-auth", "layerkv-tcp", "layerkv-tcp-auth"]),
-        ("04_rates_cuda_ipc", ["single", "single-x2", "nixl", "layerkv", "layerkv-reads"]),
+        ("04_rates_cuda_ipc", ["single", "single-x2", "nixl", "layerkv", "layerkv-writes"]),
         ("04_rates_ucx_tcp", ["nixl-tcp", "layerkv-nixl-tcp"])]
     check_runs(runs, model, gpus=2)
     ucx = runs[3][2]
@@ -393,7 +393,7 @@ def test_the_decode_graph_sweep_profiles_each_configuration_on_one_gpu_pair(
         tmp_path: Path, model: Path) -> None:
     commands = sweep_commands("sweep_decode_graphs.sh", tmp_path, model)
     runs = bench_runs(commands)
-    configs = ["nixl", "layerkv", "layerkv-reads"]
+    configs = ["nixl", "layerkv", "layerkv-writes"]
     assert [(run, names) for run, names, _ in runs] == [
         ("01_c1_graphs", configs), ("03_rates_pool_round", configs)]
     check_runs(runs, model, gpus=2)
@@ -405,7 +405,7 @@ def test_the_decode_graph_sweep_profiles_each_configuration_on_one_gpu_pair(
     env = dict(word.split("=", 1) for word in commands[0][1:commands[0].index("bash")])
     # the profiled points are the load points as ttft_bench.py names them, one per configuration
     assert env["TORCH_PROFILE_POINTS"].split() == [
-        f"{name}_c{c}_in{i}_out{o}" for name in ("nixl", "layerkv", "layerkv-reads")]
+        f"{name}_c{c}_in{i}_out{o}" for name in ("nixl", "layerkv", "layerkv-writes")]
     assert env["TORCH_PROFILE_SECONDS"] == "1.5"
     profile = commands[1]
     assert [w for w in profile if w.endswith(".py")] == ["benchmarks/decode_profile.py"]
@@ -419,7 +419,7 @@ def test_the_decode_graph_sweep_measures_open_loop_on_a_pool_that_has_gone_round
     commands = sweep_commands("sweep_decode_graphs.sh", tmp_path, model, STEPS="rates",
                               POOL_BLOCKS="5000")
     (run, configs, options), = bench_runs(commands)
-    assert run == "03_rates_pool_round" and configs == ["nixl", "layerkv", "layerkv-reads"]
+    assert run == "03_rates_pool_round" and configs == ["nixl", "layerkv", "layerkv-writes"]
     (cmd,) = commands
     env = dict(word.split("=", 1) for word in cmd[1:cmd.index("bash")])
     assert env["VLLM_ARGS"] == "--num-gpu-blocks-override 5000"
@@ -491,10 +491,10 @@ def test_the_reads_sweep_runs_each_model_family_beside_its_own_single_instance(
     commands = sweep_commands("sweep_reads_default.sh", tmp_path, model)
     runs = bench_runs(commands)
     assert [(run, names) for run, names, _ in runs] == [
-        ("01_llama_c1", ["single", "layerkv", "layerkv-reads"]),
-        ("02_hybrid", ["single", "layerkv", "layerkv-reads"]),
-        ("03_mla_fp8", ["single", "layerkv-reads"]),
-        ("04_llama_fp8", ["single", "layerkv-reads"])]
+        ("01_llama_c1", ["single", "layerkv", "layerkv-writes"]),
+        ("02_hybrid", ["single", "layerkv", "layerkv-writes"]),
+        ("03_mla_fp8", ["single", "layerkv"]),
+        ("04_llama_fp8", ["single", "layerkv"])]
     check_runs(runs, model, gpus=2)
     ttft_bench = load("ttft_bench")
     parsed = {run: ttft_bench.parse_args(["--device", "cuda", "--model", str(model),
@@ -504,6 +504,8 @@ def test_the_reads_sweep_runs_each_model_family_beside_its_own_single_instance(
     assert parsed["01_llama_c1"].prompt_lens == [4096, 8192, 16000]
     assert parsed["01_llama_c1"].cuda_graphs and parsed["01_llama_c1"].kv_cache_dtype is None
     assert parsed["02_hybrid"].no_prefix_caching
+    assert [run for run, args in parsed.items() if args.cuda_graphs] == [
+        "01_llama_c1", "04_llama_fp8"]
     assert [run for run, args in parsed.items() if args.kv_cache_dtype == "fp8"] == [
         "03_mla_fp8", "04_llama_fp8"]
     model_configs = {}

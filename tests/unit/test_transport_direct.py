@@ -38,6 +38,7 @@ from kv_sides import (
 )
 
 from vllm_layerkv.common.trace import Tracer
+from vllm_layerkv.config import LayerKVConfig
 from vllm_layerkv.counters import WorkerStats
 from vllm_layerkv.kv.blockio import HostBlockIO
 from vllm_layerkv.kv.layout import KVLayout
@@ -427,6 +428,24 @@ def test_decode_that_reads_copies_every_group_itself_and_p_maps_nothing(sides) -
     assert reader.reads_done == 2 and reader.copies == 0  # D read each layer group
     assert d.stats.take().data["bytes_received"] == out.nbytes
     assert p.stats.take().data["bytes_sent"] == out.nbytes
+
+
+@pytest.mark.parametrize("extra,reads", [({}, True), ({"cuda_ipc_reads": False}, False)],
+                         ids=["default", "off"])
+def test_decode_reads_by_default_and_p_writes_with_the_setting_off(
+        sides, extra: dict, reads: bool) -> None:
+    """kv_connector_extra_config as a user writes it: D reads unless the setting is off."""
+    make_d, make_p = sides
+    config = LayerKVConfig.from_extra_config(extra)
+    tensors = KVLayout.from_kv_caches(make_caches(None, seed=2), NUM_BLOCKS).block_tensors()
+    assert CudaIpcPlane.from_config(tensors, config, host_bounce=False).reads is reads
+    d = make_d(reads=config.cuda_ipc_reads)
+    p, p_plane = make_p(reads=config.cuda_ipc_reads)
+    d.table.expect(RecvTask("r", "t", [1, 2]))
+    push(p, [task("t", d, [5, 6], [1, 2], req_id="r")])
+    assert p.wait_state("t", ["acked", "failed"]).state == "acked"
+    assert (len(d.plane.mapped), len(p_plane.mapped)) == ((1, 0) if reads else (0, 1))
+    assert_copied(p, d, [(5, 1), (6, 2)])
 
 
 @pytest.mark.parametrize("p_reads,d_reads", [(True, False), (False, True)],

@@ -1,27 +1,28 @@
-"""Same-host GPU-direct copies: D's KV cache mapped into P through CUDA IPC handles.
+"""Same-host GPU-direct copies: one side's KV cache mapped into the other through CUDA IPC.
 
 Why: over the TCP transport GPU KV crosses PCIe twice plus a socket (~4 GB/s measured on
 2xH200). Two GPUs of one host reach each other over NVLink or PCIe peer-to-peer at tens to
 hundreds of GB/s; NixlConnector gets there through UCX's cuda_ipc transport. This module does the
-same with what torch already ships, so it needs nothing installed:
+same with what torch already ships, so it needs nothing installed. Each side exports each layer's
+KV tensor once, with ``UntypedStorage._share_cuda_`` (the mechanism ``torch.multiprocessing``
+uses), and the other opens the handles with ``UntypedStorage._new_shared_cuda`` on *its own*
+device: CUDA maps the peer device's allocation into its address space and enables peer access
+on first use (``cudaIpcMemLazyEnablePeerAccess``). D offers its handles only to a sender on its
+host (same boot id and hostname); P's go in its ``Hello``, after the handshake, and only a
+process on P's host can open them.
 
-* D exports each layer's KV tensor once, at start, with ``UntypedStorage._share_cuda_`` (the
-  mechanism ``torch.multiprocessing`` uses) and offers the handles in ``HelloAck`` to a sender
-  that runs on the same host (same boot id and hostname).
-* P opens them with ``UntypedStorage._new_shared_cuda`` on *its own* device: CUDA maps the peer
-  device's allocation into P's address space and enables peer access on first use
-  (``cudaIpcMemLazyEnablePeerAccess``), so P's copies run on P's GPU and D's GPU only receives.
-* P copies on a side stream: one ``cudaMemcpyAsync`` per run of blocks adjacent on both sides
-  (``paired_runs``: a fresh engine hands out free blocks counting up, one whose pool has gone
-  round counting down), else a gather + scatter per layer.
-
-With ``cuda_ipc_reads`` on D the direction turns: P offers its own KV in ``Hello.exports``, D
-maps it on D's device and copies each group itself when P sends ``DirectRead`` (as
-NixlConnector's D does through UCX's cuda_ipc), and P maps nothing of D's. Why: a decode GPU
-whose CUDA context maps a peer's memory ran its decode graph with shorter gaps between kernels
-(benchmarks/results/2026-11-27-x2-h200-decode-mapping); which direction P/D copies in does not
-change the bytes or the bookkeeping, since D's answer to ``DirectRead`` comes only once the
-blocks are in.
+* By default (``cuda_ipc_reads``) D reads: P offers its own KV in ``Hello.exports``, D maps it
+  and copies each group itself when P sends ``DirectRead`` (as NixlConnector's D does through
+  UCX's cuda_ipc), and P maps nothing of D's. Why: a decode GPU whose CUDA context maps a
+  peer's memory runs its decode graph with shorter gaps between kernels
+  (benchmarks/results/2026-11-27-x2-h200-decode-mapping); the direction does not change the
+  bytes or the bookkeeping, since D's answer to ``DirectRead`` comes only once the blocks are in.
+* P writes instead when either side has ``cuda_ipc_reads`` off, when the TPs differ (head
+  slices go through D's receive ring), or when D cannot map P: D offers its KV in ``HelloAck``,
+  P maps it and copies on P's GPU, so D's GPU only receives.
+* Either way copies run on a side stream: one ``cudaMemcpyAsync`` per run of blocks adjacent on
+  both sides (``paired_runs``: a fresh engine hands out free blocks counting up, one whose pool
+  has gone round counting down), else a gather + scatter per layer.
 
 The control messages (write grants, done, acks) stay on the TCP connection (``tcp.py``); this
 module only maps memory and copies. Everything here runs in transport threads, never on the
@@ -322,8 +323,11 @@ class CudaIpcPlane(DirectPlane):
             except DirectUnavailable as e:
                 why = str(e)
         if reader is None:
-            logger.warning("LayerKV cuda_ipc_reads: prefill rank %d writes into this worker "
-                           "instead (%s)", hello.tp_rank, why)
+            # on by default: a sender that does not offer its KV, or runs another TP, is a
+            # supported set-up; only a mapping that failed is worth a warning
+            log = logger.warning if offered is not None and not tp_differs else logger.info
+            log("LayerKV cuda_ipc_reads: prefill rank %d writes into this worker instead (%s)",
+                hello.tp_rank, why)
             return None
         reader.export = msgspec.structs.replace(self._export, layers=[], reads=True)
         return reader
