@@ -13,8 +13,8 @@
 # (ttft_bench.py --vllm-args / --tp-vllm-args); bench.log names each server's whole command.
 # --ipc-test first runs tests/gpu/test_cuda_ipc.py (two processes, P on GPU 0, D on GPU 1: CUDA
 # IPC byte-exact + copy rates); --tp-test runs tests/gpu/test_tp_gpu.py (prefill TP != decode
-# TP: one process per rank, staging + receive ring, every byte checked, fused copy vs torch). Then benchmarks/ttft_bench.py on the Llama-3.1-8B-shaped dummy
-# model. Each run writes straight into $OUT/$RUN, so a run stopped by an outer time limit still
+# TP: one process per rank, staging + receive ring, every byte checked, fused copy vs torch).
+# Then benchmarks/ttft_bench.py on the Llama-3.1-8B-shaped dummy model. Each run writes straight into $OUT/$RUN, so a run stopped by an outer time limit still
 # leaves what it measured (summary.json is rewritten after every measurement). BENCH_TIMEOUT=S
 # stops the benchmark after S seconds (it stops its servers on SIGTERM) and still packs what
 # it has: keep S about 30 s under any outer limit. Wrapping this whole script in `timeout`
@@ -127,8 +127,9 @@ if [ ${#configs[@]} -gt 0 ]; then
   cp -r "$OUT/$RUN" "$BENCH/"
 fi
 # Never leave this run's servers holding the GPUs for the next run: each runs in a process
-# session of its own, so a benchmark killed past its deadline leaves them up. Only processes that carry
-# this run's tag are stopped (a blanket pkill once took down a test cluster running beside it).
+# session of its own, so a benchmark killed past its deadline leaves them up. Only processes
+# that carry this run's tag are stopped (a blanket pkill would also stop a test cluster running
+# beside it).
 for pid in $(pgrep -f "[v]llm.entrypoints.cli.main serve|[v]llm_layerkv.cli proxy|[b]ench_serve.py --worker|[v]llm-router|[n]ixl_proxy.py"); do
   tr '\0' '\n' < "/proc/$pid/environ" 2>/dev/null | grep -qx "LAYERKV_BENCH_TAG=$LAYERKV_BENCH_TAG" \
     && kill "$pid" 2>/dev/null

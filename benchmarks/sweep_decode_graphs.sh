@@ -9,9 +9,9 @@
 # mapping P's KV, as NixlConnector's D does over UCX's cuda_ipc: without that mapping
 # (nixl-tcp, layerkv-writes, layerkv-tcp) D has the long ones
 # (benchmarks/results/2026-11-27-x2-h200-decode-mapping). layerkv is LayerKV's default, where D
-# maps P's KV and copies each group itself (cuda_ipc_reads); layerkv-writes has P write instead. GPUs differ from each other
-# by about as much as the effect, so every configuration runs on the same pair, one after the
-# other:
+# maps P's KV and copies each group itself (cuda_ipc_reads); layerkv-writes has P write
+# instead. GPUs differ from each other by about as much as the effect, so every configuration
+# runs on the same pair, one after the other:
 #   1. CONFIGS (default: nixl layerkv layerkv-writes) with CUDA graphs, each with a c=1 decode
 #      point (6 requests of 4,096 + 512 tokens) whose decoding instance the torch profiler
 #      records for TORCH_PROFILE_SECONDS (1.5) from TORCH_PROFILE_DELAY (5) seconds in;

@@ -1,8 +1,9 @@
 """LayerKV: a vLLM KV connector that streams KV from prefill to decode layer group by layer group.
 
-Importing this package does not import vLLM. ``LayerKV`` / ``LayerKVConnector`` resolve lazily so
-that ``kv_connector_module_path: "vllm_layerkv"`` works (vLLM does ``getattr(module, kv_connector)``)
-while the proxy and the CLI stay usable on a machine without vLLM.
+Importing this package does not import vLLM. ``LayerKV`` / ``LayerKVConnector`` resolve lazily
+so that ``kv_connector_module_path: "vllm_layerkv"`` works (vLLM does
+``getattr(module, kv_connector)``) while the proxy and the CLI stay usable on a machine without
+vLLM.
 """
 
 from typing import Any

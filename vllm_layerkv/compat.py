@@ -40,7 +40,8 @@ _Metric = TypeVar("_Metric", bound="PromMetric")
 
 VLLM_VERSION: str = getattr(vllm, "__version__", "unknown")
 
-# 0.32+: the model runner asks get_transfer_results() (with failed_recving) instead of get_finished().
+# 0.32+: the model runner asks get_transfer_results() (with failed_recving) instead of
+# get_finished().
 HAS_TRANSFER_RESULTS: bool = hasattr(KVConnectorBase_V1, "get_transfer_results")
 
 if HAS_TRANSFER_RESULTS:

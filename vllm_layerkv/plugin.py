@@ -1,4 +1,5 @@
-"""vLLM general-plugin entry point: makes ``"kv_connector": "LayerKV"`` resolvable with no module path.
+"""vLLM general-plugin entry point: makes ``"kv_connector": "LayerKV"`` resolvable with no
+module path.
 
 vLLM calls every ``vllm.general_plugins`` entry point once per process (API server, engine core,
 workers). ``KVConnectorFactory.register_connector`` raises on a second registration of the same

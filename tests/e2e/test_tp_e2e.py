@@ -122,7 +122,8 @@ def test_outputs_token_identical_to_single_instance(tp_cluster: TPCluster) -> No
     pd = tp_cluster.pd
     assert pd.proxy is not None and len(_EXPECTED) == len(SAMPLE)
     with ThreadPoolExecutor(3) as pool:
-        outs = list(pool.map(lambda p: _complete(pd.proxy.url, p), SAMPLE))  # type: ignore[union-attr]
+        url = pd.proxy.url
+        outs = list(pool.map(lambda p: _complete(url, p), SAMPLE))
     tp_cluster.outputs = outs
     lengths = [o["usage"]["prompt_tokens"] for o in outs]
     assert max(lengths) > 4 * CHUNK, f"longest prompt {max(lengths)} tokens is not multi-chunk"
@@ -174,7 +175,8 @@ def test_kv_went_through_head_slices(tp_cluster: TPCluster) -> None:
         (0, 0, n * tp_cluster.d_tp) and counters["D bytes"] > 0, counters
     # D computed one token per request (vLLM recomputes the last prompt token); the rest came
     # from P (or D's own prefix cache). Recomputing the prompt on D would count it all here.
-    prompt_tokens = sum(o["usage"]["prompt_tokens"] for o in tp_cluster.outputs)  # type: ignore[union-attr]
+    outputs = tp_cluster.outputs  # type: ignore[union-attr]
+    prompt_tokens = sum(o["usage"]["prompt_tokens"] for o in outputs)
     sources = {src: prompt_tokens_by_source(d_text, src)
                for src in ("local_compute", "local_cache_hit", "external_kv_transfer")}
     assert sources["local_compute"] <= n and sum(sources.values()) == prompt_tokens \

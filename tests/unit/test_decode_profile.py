@@ -96,9 +96,9 @@ def correlated_steps(steps: int, inner_gap_us: float | tuple[float, float],
                      launch_lead_us: float, between_us: float = 20.0) -> list[dict]:
     """One graph launch per step with three kernels that carry its correlation id,
     ``inner_gap_us`` apart (or, as a pair, the gap after the first and after the second;
-    negative: the next kernel starts before the previous ends); the host calls cudaGraphLaunch ``launch_lead_us`` before the
-    graph's first kernel, and ``between_us`` of GPU idle time
-    separate the steps. Each step's input copy runs before its graph, outside it."""
+    negative: the next kernel starts before the previous ends); the host calls
+    cudaGraphLaunch ``launch_lead_us`` before the graph's first kernel, and ``between_us`` of
+    GPU idle time separate the steps. Each step's input copy runs before its graph, outside it."""
     events, t = [], 1000.0
     for step in range(steps):
         events.append({"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": t,

@@ -64,7 +64,8 @@ def test_marker_and_second_call_is_noop(tiny_dir: Path, monkeypatch: pytest.Monk
 
     recipe = models.RECIPES["tiny-llama"]
     monkeypatch.setitem(
-        models.RECIPES, "tiny-llama", models.Recipe(recipe.name, recipe.version, _must_not_build, "")
+        models.RECIPES, "tiny-llama",
+        models.Recipe(recipe.name, recipe.version, _must_not_build, "")
     )
     mtime = (tiny_dir / "model.safetensors").stat().st_mtime_ns
     assert models.model_path("tiny-llama", tiny_dir.parent) == tiny_dir

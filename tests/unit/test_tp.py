@@ -46,7 +46,8 @@ def test_routes_deliver_every_head_exactly_once(heads, p_tp, d_tp, replicated) -
             d_local[r.d_rank][:, r.dst_head:r.dst_head + r.num_heads] = src
             writes[r.d_rank][r.dst_head:r.dst_head + r.num_heads] += 1
             senders[r.d_rank].add(p)
-            assert r.whole_block == (r.num_heads == p_local[p].shape[1] == d_local[r.d_rank].shape[1])
+            whole = r.num_heads == p_local[p].shape[1] == d_local[r.d_rank].shape[1]
+            assert r.whole_block == whole
     for d in range(d_tp):
         assert torch.equal(d_local[d], split(global_kv, d, d_tp, heads, replicated)), d
         assert (writes[d] == 1).all(), f"D rank {d} heads written {writes[d].tolist()}"

@@ -300,7 +300,8 @@ def test_load_repeats_report_each_run_and_their_medians(tmp_path, monkeypatch, c
                                                               "warm_ttft_ms": 1.0})
     monkeypatch.setattr(ttft_bench, "warm_up", lambda *a: None)
     args = argparse.Namespace(tokenizer=None, model="m", bench_timeout=60, prompt_lens=[16],
-                              output_len=8, num_prompts=1, max_model_len=2048, load=[(2, 16, 3, 2)], load_repeats=3,
+                              output_len=8, num_prompts=1, max_model_len=2048,
+                              load=[(2, 16, 3, 2)], load_repeats=3,
                               out=tmp_path, identity=0)
     identity = ttft_bench.IdentityCheck(0, args, tmp_path / "ref.json")
     res: dict = {}

@@ -82,7 +82,8 @@ def _page_view(name: str, cache: object, num_blocks: int) -> torch.Tensor:
     ptr0 = first.data_ptr()
     for t in cache[1:]:
         off = t.data_ptr() - ptr0
-        if t.shape[0] != num_blocks or t.stride(0) * t.element_size() != page or not 0 <= off < page:
+        if (t.shape[0] != num_blocks or t.stride(0) * t.element_size() != page
+                or not 0 <= off < page):
             raise LayoutError(f"layer {name!r}: Mamba state tensors do not share one page per "
                               "block")
     return _raw_pages(name, first, num_blocks, page)

