@@ -755,6 +755,30 @@ def decode_server_steps(before: str, after: str) -> dict[str, Any]:
             "itl_tokens": int(tokens), "engine_steps": int(steps)}
 
 
+def engine_phases(before: str, after: str) -> dict[str, Any]:
+    """How one instance's engine spent the requests that finished between two scrapes of its
+    /metrics, as the engine core times them: the mean wait from arrival in the scheduler to
+    being first scheduled (``mean_queue_ms``; on D this holds the wait for P's KV) and from
+    then to the first token (``mean_prefill_ms``: the prefill compute of P or of the single
+    instance; on D its step for the last prompt token). Empty if the instance does not
+    expose these metrics."""
+    from vllm_layerkv.testing.cluster import metric
+
+    def delta(name: str) -> float:
+        return metric(after, name) - metric(before, name)
+
+    try:
+        n = delta("vllm:request_prefill_time_seconds_count")
+        prefill_s = delta("vllm:request_prefill_time_seconds_sum")
+        queue_s = delta("vllm:request_queue_time_seconds_sum")
+    except KeyError:
+        return {}
+    if not n:
+        return {"requests": 0}
+    return {"requests": int(n), "mean_queue_ms": round(queue_s / n * 1e3, 2),
+            "mean_prefill_ms": round(prefill_s / n * 1e3, 2)}
+
+
 def scrape(server: VllmServer | MetricsOf | None) -> str:
     """The server's /metrics text, or "" if it cannot be read (the point is measured anyway)."""
     if server is None:
@@ -950,14 +974,15 @@ def measure(config: Config, url: str, decoder: VllmServer | MetricsOf,
             res: dict[str, Any], save: Callable[[], None],
             groups: Callable[[], dict[str, list[int]]] = dict,
             capacity: dict[str, Any] | None = None,
-            gpus: dict[str, list[str]] | None = None) -> bool:
+            gpus: dict[str, list[str]] | None = None,
+            engines: dict[str, VllmServer | MetricsOf] | None = None) -> bool:
     """Everything measured of one running configuration, into ``res`` (saved after each
     point); False if its greedy outputs differ from the single instance's. ``decoder``: the
     instances that generate the tokens (D, or the single instances). ``groups``: its
     processes by role, whose CPU time each load point records. ``capacity``: P's prefill
     capacity for the rate points, measured here on the single instance if it is not known.
     ``gpus``: its GPUs by instance, whose clocks each load and rate point records (none on
-    CPU)."""
+    CPU). ``engines``: its instances by role, whose engine phases each c=1 point records."""
     name = config.name
     capacity = {} if capacity is None else capacity
     rates = getattr(args, "rates", [])
@@ -971,11 +996,18 @@ def measure(config: Config, url: str, decoder: VllmServer | MetricsOf,
     lengths = list(args.prompt_lens) + ([args.rate_shape[0]] if rates else [])
     warm_up(url, args.model, sorted({min(n, args.max_model_len - 64) for n in lengths}),
             config.prefills if config.pd else config.instances)
+    engines = engines or {}
     for n in args.prompt_lens:
+        before = {role: scrape(server) for role, server in engines.items()}
         r = bench(runner, url, args, args.out, f"{name}_c1_in{n}", n, args.output_len,
                   args.num_prompts, 1)
-        res[f"c1_in{n}"] = summarize(r, join_token(config))
-        log(f"{name} in={n}: median TTFT {r['median_ttft_ms']:.1f} ms")
+        res[f"c1_in{n}"] = point = summarize(r, join_token(config))
+        point["engine"] = {role: engine_phases(before[role], scrape(server))
+                           for role, server in engines.items()}
+        log(f"{name} in={n}: median TTFT {r['median_ttft_ms']:.1f} ms"
+            + "".join(f"; {role} engine: mean queue {e['mean_queue_ms']} ms, prefill "
+                      f"{e['mean_prefill_ms']} ms" for role, e in point["engine"].items()
+                      if e.get("requests")))
         save()
     if config.family == "single":
         measure_overhead(config, url, args, runner, res)
@@ -1048,11 +1080,12 @@ def run_config(config: Config, args: argparse.Namespace, runner: BenchServe,
     res["start_s"] = round(time.monotonic() - t0, 1)
     ok = True
     generating = deployment.of_role("decode") or deployment.of_role("single")
+    engines = {role: one_or_all(deployment.of_role(role)) for role in deployment.roles}
     try:
         ok = measure(config, url, one_or_all(generating or deployment.servers[-1:]), args,
                      runner, identity, res, save,
                      lambda: process_groups(deployment, procs, runner), capacity,
-                     gpus_by_role(deployment, args.device))
+                     gpus_by_role(deployment, args.device), engines)
         if config.family in LAYERKV_CONFIGS:
             prefills = deployment.of_role("prefill") or deployment.servers[:1]
             res["counters"] = transfer_counters(one_or_all(prefills), config.p_tp)
@@ -1111,6 +1144,7 @@ def ideal_report(summary: dict[str, Any], configs: list[Config], args: argparse.
     overhead = single.get("overhead", {}).get("median_ttft_ms")
     single_c1 = {n: single[f"c1_in{n}"]["median_ttft_ms"] for n in args.prompt_lens
                  if "median_ttft_ms" in single.get(f"c1_in{n}", {})}
+    single_prefill = engine_prefill_ms(single, "single", args.prompt_lens)
     try:
         token_bytes: int | None = link_probe.kv_token_bytes(
             json.loads((Path(args.model) / "config.json").read_text()), args.dtype,
@@ -1119,7 +1153,9 @@ def ideal_report(summary: dict[str, Any], configs: list[Config], args: argparse.
     except (OSError, ValueError, KeyError) as e:
         token_bytes, why = None, f"no KV size per token: {e}"
     probe = link_probe.load_results(args.link_probe) if args.link_probe else []
-    report: dict[str, Any] = {"formula": ideal_ttft.FORMULA, "overhead_ms": overhead,
+    report: dict[str, Any] = {"formula": ideal_ttft.FORMULA,
+                              "engine_formula": ideal_ttft.ENGINE_FORMULA,
+                              "overhead_ms": overhead,
                               "kv_token_bytes": token_bytes,
                               "link_probe": [str(p) for p in args.link_probe], "configs": {}}
     if why:
@@ -1131,19 +1167,43 @@ def ideal_report(summary: dict[str, Any], configs: list[Config], args: argparse.
         gbps, link = link_of(config, res, args.device, probe)
         c1 = {n: res[f"c1_in{n}"]["median_ttft_ms"] for n in args.prompt_lens
               if "median_ttft_ms" in res.get(f"c1_in{n}", {})}
+        p_prefill = engine_prefill_ms(res, "prefill", args.prompt_lens)
         report["configs"][config.name] = {
             "link": link, "link_gbps": gbps, "paced_gbps": config.pacing_gbps or None,
-            "points": ideal_ttft.config_report(c1, single_c1, overhead, token_bytes, gbps)}
+            "points": ideal_ttft.config_report(c1, single_c1, overhead, token_bytes, gbps,
+                                               single_prefill),
+            "p_prefill": {n: {"p_engine_prefill_ms": ms,
+                              "single_engine_prefill_ms": single_prefill[n],
+                              "ratio": round(ms / single_prefill[n], 3)}
+                          for n, ms in p_prefill.items() if single_prefill.get(n)}}
     return report
+
+
+def engine_prefill_ms(res: dict[str, Any], role: str, lengths: list[int]) -> dict[int, float]:
+    """A configuration's mean engine prefill time (ms) of one role at each c=1 point that
+    recorded it (``engine_phases``)."""
+    out = {}
+    for n in lengths:
+        phases = res.get(f"c1_in{n}", {}).get("engine", {}).get(role, {})
+        if phases.get("mean_prefill_ms") is not None:
+            out[n] = phases["mean_prefill_ms"]
+    return out
 
 
 def log_ideal(report: dict[str, Any]) -> None:
     for name, entry in report["configs"].items():
         rate = f"{entry['link_gbps']:.2f} GB/s" if entry["link_gbps"] else "rate unknown"
         for n, row in entry["points"].items():
+            engine = (f"; with the engine's prefill time {row['engine_ideal_ttft_ms']:.1f} ms, "
+                      f"{row['engine_ratio']:.3f}x" if "engine_ratio" in row else "")
             log(f"{name} in={n}: ideal TTFT {row['ideal_ttft_ms']:.1f} ms over {entry['link']} "
                 f"({rate}; KV {row['kv_bytes'] / 1e6:.1f} MB, {row['transfer_ms']:.1f} ms on "
-                f"the link), measured {row['ttft_ms']:.1f} ms = {row['ratio']:.3f}x ideal")
+                f"the link), measured {row['ttft_ms']:.1f} ms = {row['ratio']:.3f}x ideal"
+                f"{engine}")
+        for n, row in entry.get("p_prefill", {}).items():
+            log(f"{name} in={n}: P's engine prefill {row['p_engine_prefill_ms']:.1f} ms, "
+                f"single instance's {row['single_engine_prefill_ms']:.1f} ms "
+                f"({row['ratio']:.3f}x)")
 
 
 def earlier_capacity(path: Path) -> dict[str, Any]:

@@ -49,6 +49,17 @@ def test_ttft_bench_cpu_smoke(tmp_path: Path) -> None:
         assert steps["join_fraction"] == 0, steps
         cold = summary["results"][config]["cold_start"]  # the first request and a second
         assert cold["prompt_len"] == 512 and cold["cold_ttft_ms"] > 0 < cold["warm_ttft_ms"]
+    # each instance's engine phases over the c=1 point, from its /metrics: the single
+    # instance's and P's prefill; D computed only the last prompt token, after waiting for
+    # P's KV (vLLM counts a request as scheduled once its KV is in)
+    single = summary["results"]["single"]["c1_in512"]["engine"]["single"]
+    pd = summary["results"]["layerkv"]["c1_in512"]["engine"]
+    assert single["requests"] == pd["prefill"]["requests"] == pd["decode"]["requests"] == 2, pd
+    assert single["mean_prefill_ms"] > 0 < pd["prefill"]["mean_prefill_ms"], (single, pd)
+    assert pd["decode"]["mean_prefill_ms"] > 0, pd
+    assert pd["decode"]["mean_queue_ms"] > 0, pd
+    p_prefill = summary["ideal"]["configs"]["layerkv"]["p_prefill"]["512"]
+    assert p_prefill["p_engine_prefill_ms"] == pd["prefill"]["mean_prefill_ms"], p_prefill
     # the load point, twice with prompts of its own: the decoding instance's own ITL read
     # from its /metrics, 4 requests x 5 gaps after the first token per run
     for config in ("single", "layerkv"):

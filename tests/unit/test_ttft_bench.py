@@ -127,7 +127,7 @@ def test_a_configuration_that_does_not_start_is_recorded_and_the_next_one_runs(
         return "http://127.0.0.1:1", []
 
     def measure(config, url, decoder, args, runner, identity, res, save, groups, capacity,
-                gpus):
+                gpus, engines):
         res["measured_at"] = url
         return True
 
@@ -520,6 +520,53 @@ def test_ideal_report_per_configuration_and_prompt_length(tmp_path) -> None:
     assert row["ideal_ttft_ms"] == pytest.approx(20.0 + 8192 * 131072 / 1.25e6, abs=0.01)
     assert row["ratio"] == pytest.approx(1000.0 / row["ideal_ttft_ms"], abs=0.001)
     assert 16000 not in paced["points"]  # not measured
+
+
+def test_the_engine_prefill_ideal_and_p_s_prefill_beside_the_single_instance_s(
+        tmp_path) -> None:
+    """With the engines' own prefill times (vLLM's request_prefill_time), the report adds the
+    ideal that counts only the single instance's engine prefill as what a transfer can hide
+    behind, and P's prefill against the single instance's."""
+    summary, args = summary_for_ideal(tmp_path)
+    results = summary["results"]
+    results["single"]["c1_in8192"]["engine"] = {
+        "single": {"requests": 5, "mean_queue_ms": 0.2, "mean_prefill_ms": 200.0}}
+    results["layerkv-tcp-10g"]["c1_in8192"]["engine"] = {
+        "prefill": {"requests": 5, "mean_queue_ms": 0.3, "mean_prefill_ms": 210.0},
+        "decode": {"requests": 5, "mean_queue_ms": 850.0, "mean_prefill_ms": 9.0}}
+    configs = [ttft_bench.parse_config(n) for n in results]
+    report = ttft_bench.ideal_report(summary, configs, args)
+    paced = report["configs"]["layerkv-tcp-10g"]
+    row = paced["points"][8192]
+    transfer = 8192 * 131072 / 1.25e6
+    assert row["ideal_ttft_ms"] == pytest.approx(20.0 + transfer, abs=0.01)
+    # 54 ms of the single instance's TTFT is not its engine's prefill: no transfer hides it
+    assert row["single_engine_prefill_ms"] == 200.0
+    assert row["engine_ideal_ttft_ms"] == pytest.approx(54.0 + transfer, abs=0.01)
+    assert row["engine_ratio"] == pytest.approx(1000.0 / (54.0 + transfer), abs=0.001)
+    assert paced["p_prefill"] == {8192: {"p_engine_prefill_ms": 210.0,
+                                         "single_engine_prefill_ms": 200.0, "ratio": 1.05}}
+    # where the link hides behind the prefill, both ideals are the single instance's TTFT
+    ipc = report["configs"]["layerkv"]["points"][8192]
+    assert ipc["ideal_ttft_ms"] == ipc["engine_ideal_ttft_ms"] == 254.0
+    assert ipc["engine_ratio"] == ipc["ratio"] == round(260 / 254, 3)
+    assert "engine_ideal_ttft_ms" not in report["configs"]["layerkv"]["points"][16000]
+
+
+def test_engine_phases_are_the_means_over_the_requests_between_two_scrapes() -> None:
+    def exposition(count: float, prefill_s: float, queue_s: float) -> str:
+        return "\n".join([
+            "# TYPE vllm:request_prefill_time_seconds histogram",
+            f'vllm:request_prefill_time_seconds_sum{{model_name="m"}} {prefill_s}',
+            f'vllm:request_prefill_time_seconds_count{{model_name="m"}} {count}',
+            f'vllm:request_queue_time_seconds_sum{{model_name="m"}} {queue_s}',
+            f'vllm:request_queue_time_seconds_count{{model_name="m"}} {count}'])
+
+    before, after = exposition(3, 0.5, 0.01), exposition(7, 1.3, 0.05)
+    assert ttft_bench.engine_phases(before, after) == {
+        "requests": 4, "mean_queue_ms": 10.0, "mean_prefill_ms": 200.0}
+    assert ttft_bench.engine_phases(after, after) == {"requests": 0}
+    assert ttft_bench.engine_phases("", "") == {}  # not exposed, or /metrics not read
 
 
 def test_no_ideal_without_a_single_instance_or_a_model_shape(tmp_path) -> None:
