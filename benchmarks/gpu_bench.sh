@@ -126,8 +126,8 @@ if [ ${#configs[@]} -gt 0 ]; then
   for p in "${probes[@]}"; do kill -- -"$p" 2>/dev/null; done
   cp -r "$OUT/$RUN" "$BENCH/"
 fi
-# Never leave this run's servers holding the GPUs for the next run: each runs in a process
-# session of its own, so a benchmark killed past its deadline leaves them up. Only processes
+# Never leave this run's servers holding the GPUs for the next run: each runs under setsid,
+# apart from this script, so a benchmark killed past its deadline leaves them up. Only processes
 # that carry this run's tag are stopped (a blanket pkill would also stop a test cluster running
 # beside it).
 for pid in $(pgrep -f "[v]llm.entrypoints.cli.main serve|[v]llm_layerkv.cli proxy|[b]ench_serve.py --worker|[v]llm-router|[n]ixl_proxy.py"); do
