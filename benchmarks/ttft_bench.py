@@ -30,6 +30,7 @@ Configurations (``--configs``):
   layerkv-auth, layerkv-tcp-auth  layerkv / layerkv-tcp with a shared secret on P and D
                (LAYERKV_AUTH_SECRET, a random one per run): the cost of authentication
   layerkv-noearly   same with early_release=false (D reports a request only once its KV is in)
+  layerkv-even      same with last_group_layers=0 (a step's last layer group is not split)
   layerkv-writes    same with cuda_ipc_reads=false (P writes into D's memory instead)
   layerkv-reads     same with cuda_ipc_reads=true, named: the default since 2026-11-28, so the
                     same as layerkv
@@ -357,6 +358,7 @@ LAYERKV_CONFIGS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
     "layerkv-auth": ({}, {"LAYERKV_AUTH_SECRET": AUTH_SECRET}),
     "layerkv-tcp-auth": ({"transport": "tcp"}, {"LAYERKV_AUTH_SECRET": AUTH_SECRET}),
     "layerkv-noearly": ({"early_release": False}, {}),
+    "layerkv-even": ({"last_group_layers": 0}, {}),
     "layerkv-writes": ({"cuda_ipc_reads": False}, {}),
     "layerkv-reads": ({"cuda_ipc_reads": True}, {}),
     "layerkv-ft": ({}, {}),

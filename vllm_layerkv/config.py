@@ -102,6 +102,10 @@ class LayerKVConfig:
     reach 3 x min_prompt_tokens."""
     group_size: int = 0
     """Fixed number of layers per group; 0 = adaptive (the rule above)."""
+    last_group_layers: int = 1
+    """Adaptive grouping: split a step's last layer group, halving, until its final piece has
+    at most this many layers (two groups of 16 go out as 16, 8, 4, 2, 1, 1). That piece's
+    transfer is what remains after P's last layer; 0 keeps the last group whole."""
     group_transfer_ms: float = 20.0
     """Adaptive grouping on a slow link: raise the number of groups until one group's share
     of the step's KV takes at most this long on the link (its rate as the sender measures
@@ -307,6 +311,8 @@ class LayerKVConfig:
              f"max_pipeline_stages={self.max_pipeline_stages} must be >= "
              f"min_pipeline_stages={self.min_pipeline_stages}")
         need(self.group_size >= 0, f"group_size={self.group_size} must be >= 0 (0 = adaptive)")
+        need(self.last_group_layers >= 0,
+             f"last_group_layers={self.last_group_layers} must be >= 0 (0 = no split)")
         need(self.group_transfer_ms >= 0,
              f"group_transfer_ms={self.group_transfer_ms} must be >= 0 (0 = off)")
         need(self.registration_wait_s >= 0, "registration_wait_s must be >= 0 seconds")

@@ -15,7 +15,12 @@ from __future__ import annotations
 import pytest
 
 from vllm_layerkv.config import ConfigError, LayerKVConfig
-from vllm_layerkv.worker.grouping import plan_group_size, split_layers
+from vllm_layerkv.worker.grouping import (
+    plan_group_size,
+    plan_groups,
+    split_layers,
+    taper_last_group,
+)
 
 ADAPTIVE = LayerKVConfig(min_prompt_tokens=256, max_pipeline_stages=8, min_pipeline_stages=2)
 
@@ -136,3 +141,53 @@ def test_a_fixed_group_size_or_layerwise_off_ignores_the_link() -> None:
 def test_group_transfer_ms_must_not_be_negative() -> None:
     with pytest.raises(ConfigError, match="group_transfer_ms=-1.0 must be >= 0"):
         LayerKVConfig(group_transfer_ms=-1.0).validate()
+
+
+# ---------------------------------------------------------------- the last group's taper
+
+@pytest.mark.parametrize("sizes,last,expected", [
+    ([16, 16], 1, [16, 8, 4, 2, 1, 1]),
+    ([16, 16], 2, [16, 8, 4, 2, 2]),
+    ([16, 16], 0, [16, 16]),
+    ([15, 15], 1, [15, 8, 4, 2, 1]),
+    ([3, 3, 3, 1], 1, [3, 3, 3, 1]),        # the last group is small enough already
+    ([4, 4, 4, 4, 4, 4, 4, 4], 1, [4] * 7 + [2, 1, 1]),
+    ([32], 1, [16, 8, 4, 2, 1, 1]),         # one group: split as well
+])
+def test_taper_splits_the_last_group_by_halves(sizes: list[int], last: int,
+                                               expected: list[int]) -> None:
+    groups, start = [], 0
+    for n in sizes:
+        groups.append(range(start, start + n))
+        start += n
+    tapered = taper_last_group(groups, last)
+    assert [len(g) for g in tapered] == expected
+    assert [layer for g in tapered for layer in g] == list(range(start))
+
+
+def test_taper_rejects_a_negative_size() -> None:
+    with pytest.raises(ValueError, match="last_layers"):
+        taper_last_group([range(4)], -1)
+
+
+def test_plan_groups_announces_where_the_even_split_did() -> None:
+    """The end is announced after the first group of 16, as without the taper: D's early
+    release keeps the compute of 16 layers to overlap its hand-over."""
+    config = LayerKVConfig(min_prompt_tokens=256, min_pipeline_stages=2)
+    groups, announce = plan_groups(32, 8192, config)
+    assert [len(g) for g in groups] == [16, 8, 4, 2, 1, 1]
+    assert announce == 0 and groups[announce].stop == 16
+    groups, announce = plan_groups(32, 8192, config.replace(last_group_layers=0))
+    assert [len(g) for g in groups] == [16, 16] and announce == 0
+
+
+def test_plan_groups_keeps_a_fixed_group_size_and_one_group_whole() -> None:
+    groups, announce = plan_groups(32, 8192, LayerKVConfig(group_size=8))
+    assert [len(g) for g in groups] == [8, 8, 8, 8] and announce == 2
+    groups, announce = plan_groups(32, 8192, LayerKVConfig(layerwise=False))
+    assert groups == [range(32)] and announce == -1
+
+
+def test_last_group_layers_must_not_be_negative() -> None:
+    with pytest.raises(ConfigError, match="last_group_layers=-1 must be >= 0"):
+        LayerKVConfig(last_group_layers=-1).validate()

@@ -26,6 +26,13 @@ number of groups is raised until one group's share of the step's transfer takes 
 
 On a link fast enough that the step's whole KV moves within ``group_transfer_ms`` (NVLink)
 the adaptive rule stands unchanged.
+
+Whatever the link, the transfer of the step's last group starts only after P's last layer, so
+it is exposed in full: half the step's KV with two groups. So the last group is split, halving,
+until its final piece has at most ``last_group_layers`` layers (``taper_last_group``): a
+32-layer step of two groups goes out as 16, 8, 4, 2, 1 and 1 layers, and only one layer's KV
+(1/32) is left to move after the forward. Each piece is sent as soon as its layers are
+computed, so the pieces before the last overlap the layers that follow them.
 """
 
 from __future__ import annotations
@@ -65,3 +72,37 @@ def split_layers(num_layers: int, group_size: int) -> list[range]:
     if group_size <= 0:
         raise ValueError(f"group_size must be positive, got {group_size}")
     return [range(s, min(s + group_size, num_layers)) for s in range(0, num_layers, group_size)]
+
+
+def taper_last_group(groups: list[range], last_layers: int) -> list[range]:
+    """``groups`` with the last one split, halving (the larger half first), until the final
+    piece has at most ``last_layers`` layers; 0 leaves it whole. E.g. 16 layers, 1 -> 8, 4, 2,
+    1, 1."""
+    if last_layers < 0:
+        raise ValueError(f"last_layers must be >= 0, got {last_layers}")
+    if last_layers == 0 or not groups or len(groups[-1]) <= last_layers:
+        return list(groups)
+    last = groups[-1]
+    pieces: list[range] = []
+    start, left = last.start, len(last)
+    while left > last_layers:
+        head = left - left // 2
+        pieces.append(range(start, start + head))
+        start, left = start + head, left - head
+    pieces.append(range(start, last.stop))
+    return [*groups[:-1], *pieces]
+
+
+def plan_groups(num_layers: int, step_tokens: int, config: LayerKVConfig,
+                transfer_s: float = 0.0) -> tuple[list[range], int]:
+    """The step's layer groups, and the index of the group after which only the last group
+    of the even split is left (-1: none). P announces a transfer's end there
+    (``TransferNearlyDone``), as early as it would without the taper, so that D's early release
+    keeps that group's compute to overlap. The taper applies to the adaptive rule only: a fixed
+    ``group_size`` is kept as it is."""
+    groups = split_layers(num_layers, plan_group_size(num_layers, step_tokens, config,
+                                                      transfer_s))
+    announce = len(groups) - 2
+    if config.layerwise and config.group_size == 0:
+        groups = taper_last_group(groups, config.last_group_layers)
+    return groups, announce

@@ -31,7 +31,7 @@ from vllm_layerkv.counters import WorkerStats
 from vllm_layerkv.kv.layout import KVLayout
 from vllm_layerkv.metadata import LayerKVMetadata
 from vllm_layerkv.tasks import SendTask
-from vllm_layerkv.worker.grouping import plan_group_size, split_layers
+from vllm_layerkv.worker.grouping import plan_groups
 from vllm_layerkv.worker.sender import AbortTransfer, FinishTransfer, GroupSend, Sender
 
 if TYPE_CHECKING:
@@ -110,9 +110,8 @@ class PrefillWorker:
         num_layers = self._layout.num_layers
         avg_tokens = sum(t.new_tokens for t in streamed) // len(streamed)
         transfer_s = self._sender.link_rate.seconds_for(self._step_bytes(streamed))
-        groups = split_layers(num_layers, plan_group_size(num_layers, avg_tokens, self._config,
-                                                          transfer_s))
-        # the penultimate group of a step that ends a transfer announces the end to D
+        groups, announce = plan_groups(num_layers, avg_tokens, self._config, transfer_s)
+        # a step that ends a transfer announces the end to D before its last (even) group
         ends_transfer = any(t.final for t in streamed)
         timing = self._tracer.enabled
         step_start = _new_event(self._device_type, timing=True) if timing else None
@@ -120,7 +119,7 @@ class PrefillWorker:
         t_planned = time.monotonic()
         self._group_items = [GroupSend(self._step, i, list(g), streamed,
                                        event=_new_event(self._device_type, timing),
-                                       announces_end=ends_transfer and i == len(groups) - 2,
+                                       announces_end=ends_transfer and i == announce,
                                        layers_through=g[-1] + 1, num_layers=num_layers,
                                        t_planned=t_planned, step_start=step_start)
                              for i, g in enumerate(groups)]
