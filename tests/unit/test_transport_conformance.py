@@ -756,6 +756,40 @@ def test_nearly_done_lets_decode_report_early_then_wait_for_the_rest(d_side, p_s
     assert d.stats.take().data["transfers_received"] == 1
 
 
+class _DoneEvent:
+    """A device event that has completed, ``ms`` after ``start`` (``elapsed_time``)."""
+
+    def __init__(self, ms: float = 0.0, start: _DoneEvent | None = None):
+        self.ms, self.start = ms, start
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end: _DoneEvent) -> float:
+        return end.ms - self.ms
+
+
+def test_nearly_done_estimate_counts_the_devices_time_not_the_hosts(d_side, p_side) -> None:
+    """With asynchronous scheduling vLLM plans a step while the one before it still runs on
+    the device: 2 s on the host's clock since the plan, 20 ms on the device for 2 of 4 layers.
+    The estimate follows the device (about 20 ms left), so D can release the request early."""
+    d, p = d_side(early_lead_s=0.0), p_side()
+    d.table.expect(RecvTask("r", "t", [10]))
+    t = task("t", d, [3], [10], req_id="r")
+    p.sender.outgoing(t)
+    start = _DoneEvent(0.0)
+    p.sender.put(GroupSend(step=1, group=0, layers=[0, 1], tasks=[t], announces_end=True,
+                           layers_through=2, num_layers=NUM_LAYERS,
+                           t_planned=time.monotonic() - 2.0, step_start=start,
+                           event=_DoneEvent(20.0)))
+    wait_until(lambda: d.table.next_early_at() is not None)
+    eta = d.table.next_early_at() - time.monotonic()
+    assert eta < 0.5, f"estimate {eta:.3f} s counts the host's time before the step ran"
+    p.sender.put(GroupSend(step=1, group=1, layers=[2, 3], tasks=[t]))
+    p.sender.put(FinishTransfer(t, t_compute_end=time.monotonic()))
+    assert p.wait_state("t", ["acked", "failed"]).state == "acked"
+
+
 def test_failure_after_early_release_is_a_load_error_of_the_step_that_runs_it(
         d_side, p_side, monkeypatch) -> None:
     """The last group's write fails after D reported the request: no request-level report

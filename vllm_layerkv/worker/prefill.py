@@ -48,7 +48,8 @@ def _new_event(device_type: str, timing: bool = False) -> torch.cuda.Event | Non
     hundreds of ms. A default event's ``synchronize`` spins a CPU core all that time (CUDA's
     automatic scheduling spins while the host has more cores than active contexts); a
     blocking one sleeps until the device signals it, which costs microseconds on wake-up.
-    ``timing`` (tracing only): the trace says when the group was ready on the device."""
+    ``timing``: the device's time between two events can be read (tracing, and steps that
+    end a transfer: the ``TransferNearlyDone`` estimate)."""
     if device_type != "cuda":
         return None
     import torch
@@ -113,7 +114,9 @@ class PrefillWorker:
         groups, announce = plan_groups(num_layers, avg_tokens, self._config, transfer_s)
         # a step that ends a transfer announces the end to D before its last (even) group
         ends_transfer = any(t.final for t in streamed)
-        timing = self._tracer.enabled
+        # timing events: the trace's group_ready, and the device time of the layers before the
+        # announcement, from which the sender estimates when the rest is done
+        timing = self._tracer.enabled or ends_transfer
         step_start = _new_event(self._device_type, timing=True) if timing else None
         _record(step_start)
         t_planned = time.monotonic()

@@ -68,9 +68,12 @@ class GroupSend:
     t_planned: float = 0.0
     """When the worker planned the step (just before the forward; ``time.monotonic``)."""
     step_start: torch.cuda.Event | None = None
-    """With tracing on GPU: a timing event recorded when the step was planned, so that the
-    trace says when the group was ready on the device (``group_ready``), not only when this
-    thread got to it."""
+    """On GPU, in a step that ends a transfer or with tracing on: a timing event recorded when
+    the step was planned. The device's time from it to ``event`` is what the step's layers so
+    far took (``_announce_end``); the host's clock since ``t_planned`` can count more, since
+    with asynchronous scheduling vLLM plans a step while the one before it still runs on the
+    device. The trace also says when the group was ready on the device (``group_ready``),
+    not only when this thread got to it."""
 
 
 @dataclass
@@ -322,13 +325,17 @@ class Sender:
     def _announce_end(self, item: GroupSend, t_computed: float) -> None:
         """After the penultimate group of a final step: tell each decode rank when the rest is
         expected, so that an idle D can have vLLM schedule the request meanwhile. The estimate
-        is the step's compute rate so far applied to the layers left, plus this group's send
-        time scaled to the last group (the send may take longer than the compute it follows)."""
+        is the step's compute rate so far (the device's time, where there is one) applied to
+        the layers left, plus this group's send time scaled to the last group (the send may
+        take longer than the compute it follows)."""
         now = time.monotonic()
         layers_left = item.num_layers - item.layers_through
         if layers_left <= 0 or not item.layers_through:
             return
-        per_layer = max(0.0, t_computed - item.t_planned) / item.layers_through
+        computed_s = _device_seconds(item)
+        if computed_s is None:  # CPU: the hooks run as the layers do
+            computed_s = max(0.0, t_computed - item.t_planned)
+        per_layer = computed_s / item.layers_through
         compute_left = per_layer * layers_left - (now - t_computed)
         send_last = (now - t_computed) * layers_left / max(1, len(item.layers))
         eta = max(0.0, compute_left) + send_last
@@ -570,3 +577,14 @@ class Sender:
                                    self._hello.compat.total_kv_heads)
             self._route_cache[peer.tp_size] = routes
         return [(peer.data_endpoints[r.d_rank], r) for r in routes]
+
+
+def _device_seconds(item: GroupSend) -> float | None:
+    """The device's time from the step's start to ``item``'s last layer (None: no timing
+    events, e.g. on CPU). Both events have completed: the sender waited on ``item.event``."""
+    if item.step_start is None or item.event is None:
+        return None
+    try:
+        return item.step_start.elapsed_time(item.event) / 1e3
+    except RuntimeError:  # an event made without timing
+        return None
