@@ -270,9 +270,10 @@ class TransferDone(msgspec.Struct, tag=True, kw_only=True):
 
 
 class TransferNearlyDone(msgspec.Struct, tag=True, kw_only=True):
-    """P rank ``tp_rank`` has sent all of ``transfer_id`` but its final step's last layer group,
-    and expects that group's TransferDone in about ``eta_s`` seconds. A hint: D may report the
-    request to vLLM early, but still waits for TransferDone before the request's forward."""
+    """P rank ``tp_rank`` has sent all of ``transfer_id`` but its final step's last layers (the
+    last group of the even split, which goes out in smaller pieces), and expects the
+    TransferDone in about ``eta_s`` seconds. A hint: D may report the request to vLLM early,
+    but still waits for TransferDone before the request's forward."""
 
     transfer_id: str
     tp_rank: int

@@ -114,8 +114,8 @@ class PrefillWorker:
         groups, announce = plan_groups(num_layers, avg_tokens, self._config, transfer_s)
         # a step that ends a transfer announces the end to D before its last (even) group
         ends_transfer = any(t.final for t in streamed)
-        # timing events: the trace's group_ready, and the device time of the layers before the
-        # announcement, from which the sender estimates when the rest is done
+        # timing events: the trace's group_ready, and how long the layers before the
+        # announcement took on the device, from which the sender estimates when the rest is done
         timing = self._tracer.enabled or ends_transfer
         step_start = _new_event(self._device_type, timing=True) if timing else None
         _record(step_start)
