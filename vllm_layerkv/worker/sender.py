@@ -60,8 +60,9 @@ class GroupSend:
     event: torch.cuda.Event | None = None
     """Device event recorded after the group's last layer (None on CPU)."""
     announces_end: bool = False
-    """The step's penultimate group, in a step that ends some of ``tasks``: once it is sent,
-    tell D those transfers are nearly done (``TransferNearlyDone``)."""
+    """The group after which only the last group of the even split is left (``plan_groups``),
+    in a step that ends some of ``tasks``: once it is sent, tell D those transfers are nearly
+    done (``TransferNearlyDone``)."""
     layers_through: int = 0
     """Layers of the step computed once this group is (for the remaining-time estimate)."""
     num_layers: int = 0
@@ -323,11 +324,11 @@ class Sender:
                            seconds=time.monotonic() - t0)
 
     def _announce_end(self, item: GroupSend, t_computed: float) -> None:
-        """After the penultimate group of a final step: tell each decode rank when the rest is
-        expected, so that an idle D can have vLLM schedule the request meanwhile. The estimate
-        is the step's compute rate so far (the device's time, where there is one) applied to
-        the layers left, plus this group's send time scaled to the last group (the send may
-        take longer than the compute it follows)."""
+        """After the announcing group of a final step (``GroupSend.announces_end``): tell each
+        decode rank when the rest is expected, so that an idle D can have vLLM schedule the
+        request meanwhile. The estimate is the step's compute rate so far (the device's time,
+        where there is one) applied to the layers left, plus this group's send time scaled to
+        the layers left (the send may take longer than the compute it follows)."""
         now = time.monotonic()
         layers_left = item.num_layers - item.layers_through
         if layers_left <= 0 or not item.layers_through:
