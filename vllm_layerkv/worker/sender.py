@@ -275,9 +275,8 @@ class Sender:
         if item.event is not None:
             item.event.synchronize()  # KV of this group is written on the device
         t0 = time.monotonic()
-        if item.step_start is not None and item.event is not None and self._tracer.enabled:
-            self._tracer.event("group_ready", step=item.step, group=item.group,
-                               gpu_s=item.step_start.elapsed_time(item.event) / 1e3)
+        if self._tracer.enabled and (gpu_s := _device_seconds(item)) is not None:
+            self._tracer.event("group_ready", step=item.step, group=item.group, gpu_s=gpu_s)
         self._group_bytes = 0
         try:
             self._write_group(item, t0)
