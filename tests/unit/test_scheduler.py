@@ -942,13 +942,93 @@ def test_idle_backoff_slows_empty_steps_while_p_waits_and_a_registration_ends_it
 
 
 def test_idle_backoff_off_leaves_empty_steps_alone(engines) -> None:
-    """GPU default (auto resolves to off there): P's scheduler never waits."""
+    """GPU default (auto resolves to off there): P's empty steps never back off; each waits
+    at most DEFERRAL_WAIT_S for the registration."""
+    from vllm_layerkv.scheduler.prefill import DEFERRAL_WAIT_S
+
     p = engines("kv_producer", {"registration_wait_s": 30, "idle_backoff": "off"})
     rp = create_request(40, {"do_remote_decode": True, "transfer_id": "nb"}, seed=6)
     p.scheduler.add_request(rp)
-    assert max(_empty_step_seconds(p, 5)) < 0.05
+    waits = _empty_step_seconds(p, 5)
+    assert min(waits) >= DEFERRAL_WAIT_S * 0.9 and max(waits) < 0.05
     p.scheduler.finish_requests(rp.request_id, RequestStatus.FINISHED_ABORTED)
     p.run_until(p.idle)
+
+
+HELD_RELAY = """
+import socket, sys, threading
+listener = socket.create_server(("127.0.0.1", 0))
+print(listener.getsockname()[1], flush=True)
+d_side, _ = listener.accept()
+p_side = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+gate = threading.Event()
+gate.set()
+def pump(src, dst, gated):
+    while data := src.recv(65536):
+        if gated:
+            gate.wait()
+        dst.sendall(data)
+threading.Thread(target=pump, args=(p_side, d_side, False), daemon=True).start()
+threading.Thread(target=pump, args=(d_side, p_side, True), daemon=True).start()
+for line in sys.stdin:
+    gate.clear() if line.strip() == "hold" else gate.set()
+    print(line.strip(), flush=True)
+"""
+"""A TCP relay from D to P in a process of its own: ``hold`` stops D's bytes (they wait in the
+relay), ``go`` lets them through; it answers each command once it is in force."""
+
+
+def test_deferred_prefill_starts_soon_after_its_registration_while_steps_spin(engines) -> None:
+    """Without idle_backoff vLLM runs P's empty steps back to back, holding the GIL; P's
+    registration server threads must still get it as soon as D's registration is on the
+    socket, not after the interpreter's switch interval (set to 0.2 s here to make that stand
+    out; CPython's default is 5 ms). The registration comes from another process, as D's
+    does (a relay holds it until P's steps spin), over a connection a first request made."""
+    import subprocess
+    import sys
+
+    p = engines("kv_producer", {"registration_wait_s": 30, "idle_backoff": "off"})
+    d = engines("kv_consumer")
+    relay = subprocess.Popen([sys.executable, "-c", HELD_RELAY, p.endpoint.rsplit(":", 1)[1]],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def tell(command: str) -> None:
+        relay.stdin.write(command + "\n")
+        relay.stdin.flush()
+        assert relay.stdout.readline().strip() == command
+
+    def request(tid: str, seed: int):
+        rp = create_request(40, {"do_remote_decode": True, "transfer_id": tid}, seed=seed)
+        rd = create_request(40, decode_params(tid, relay_endpoint), max_tokens=2, seed=seed)
+        return rp, rd
+
+    try:
+        relay_endpoint = f"127.0.0.1:{relay.stdout.readline().strip()}"
+        rp, rd = request("warm", 6)  # D connects to P through the relay
+        p.scheduler.add_request(rp)
+        d.scheduler.add_request(rd)
+        run_both_until_idle(p, d)
+        tell("hold")
+        rp, rd = request("gil", 7)
+        p.scheduler.add_request(rp)
+        assert p.step().num_scheduled == {}  # deferred: waiting for D's registration
+        d.scheduler.add_request(rd)
+        d.step()  # D sends its registration, into the relay
+        before = sys.getswitchinterval()
+        sys.setswitchinterval(0.2)
+        try:
+            tell("go")
+            t0 = time.monotonic()
+            while not p.step().num_scheduled:  # back to back, as vLLM's engine loop runs them
+                assert time.monotonic() - t0 < 10.0
+            took = time.monotonic() - t0
+        finally:
+            sys.setswitchinterval(before)
+        assert took < 0.1, f"P started the prefill {took * 1e3:.0f} ms after D registered"
+        run_both_until_idle(p, d)
+    finally:
+        relay.kill()
+        relay.wait()
 
 
 # ------------------------------------------------------------------------- early release

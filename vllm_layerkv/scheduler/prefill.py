@@ -71,6 +71,14 @@ registration_timeout_s, and D requests stalled for the whole hold). The ceiling 
 1 s, so a long hold leaves P's workers idle. The cost: a new request that reaches P during such
 a wait is scheduled up to that long later, which is why only ``idle_backoff`` (on for CPU
 instances by default, config.py) turns this on."""
+DEFERRAL_WAIT_S = 0.0005
+"""Without ``idle_backoff`` (GPUs), an empty step while P only waits for registrations still
+waits this long for one, ended the moment it arrives. The wait is there to release the GIL:
+vLLM's engine loop runs empty steps back to back in Python, and CPython gives the GIL to another
+thread only after ``sys.getswitchinterval()`` (5 ms) of that, so the thread that had D's
+registration on its socket waited for it (measured on an H200 host: P held 4K prefills
+0.4-7 ms, median 2 ms, for registrations D had sent). A request that reaches P during the wait
+is scheduled at most this much later."""
 LATE_REGISTRATION_STREAK = 3
 """After this many registrations in a row that arrived only once their prefill had finished, P
 stops holding new prefills back for registrations: the router in front sends the decode request
@@ -341,16 +349,20 @@ class PrefillScheduler:
                 self._forget(p)
 
     def _wait_for_decode(self, scheduler_output: SchedulerOutput) -> None:
-        """Throttle empty engine steps while P only waits for registrations (IDLE_WAIT_MAX_S)."""
-        deadline = self._next_deadline() if self._idle_backoff else None
-        if scheduler_output.total_num_scheduled_tokens or deadline is None:
+        """On empty engine steps while P only waits for registrations, wait for one: with
+        ``idle_backoff`` a growing wait that throttles the steps (IDLE_WAIT_MAX_S), otherwise
+        DEFERRAL_WAIT_S, which lets the registration thread run at once."""
+        deadline = None
+        if not scheduler_output.total_num_scheduled_tokens:
+            deadline = self._next_deadline()
+        if deadline is None:
             self._idle_wait.reset()
             self._arrived.clear()
             return
-        wait = min(self._idle_wait.current, max(0.0, deadline - time.monotonic()))
-        if self._arrived.wait(wait):
+        longest = self._idle_wait.current if self._idle_backoff else DEFERRAL_WAIT_S
+        if self._arrived.wait(min(longest, max(0.0, deadline - time.monotonic()))):
             self._idle_wait.reset()
-        else:
+        elif self._idle_backoff:
             self._idle_wait.next()
         self._arrived.clear()  # whatever arrived is drained right after
 
