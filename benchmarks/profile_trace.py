@@ -28,6 +28,15 @@ With P's scheduler trace (``trace.psched.0``), start_delay is split (``P_PARTS``
   reg_wait      -> P admits it: D's registration is there (or ``registration_wait_s`` ran out)
   p_plan        -> P's worker plans the first chunk's sends (the step starts)
 
+and with D's scheduler trace too, reg_wait is split further (``REG_PARTS``; their sum is
+reg_wait, a part that had happened before the one above it counts 0):
+
+  reg_from_d    -> D's scheduler sends its registration (D took longer to get the request
+                this far than P)
+  reg_in        -> P's registration thread has read it (D's sender thread, the wire, and that
+                thread's wait for the GIL)
+  reg_pickup    -> P admits the request (P's scheduler drains it at its next step)
+
 With D's scheduler trace (``trace.dsched.0``, written since the decode scheduler traces too),
 d_first is split further (``D_PARTS``; their sum is d_first):
 
@@ -66,6 +75,7 @@ D_PARTS = ("d_seen", "d_sched", "d_bind", "d_forward", "d_out")
 D_MARKS = ("recv_seen", "d_scheduled", "d_step_bound", "d_step_launched")
 P_PARTS = ("p_intake", "reg_wait", "p_plan")
 P_MARKS = ("p_seen", "p_admitted")
+REG_PARTS = ("reg_from_d", "reg_in", "reg_pickup")
 GPU_PARTS = ("p_gpu", "send_wait")
 
 
@@ -114,8 +124,8 @@ def request_breakdowns(trace_dir: Path) -> list[dict[str, Any]]:
                 d_marks[req_id].setdefault(e["ev"], e["t"])
 
     p_marks: dict[str, dict[str, float]] = defaultdict(dict)
-    for e in read_events(trace_dir / "trace.psched.0"):
-        if e["ev"] in P_MARKS:
+    for e in read_events(trace_dir / "trace.psched.0") + read_events(trace_dir / "trace.dsched.0"):
+        if e["ev"] in (*P_MARKS, "reg_arrived", "d_registering"):
             p_marks[e["transfer_id"]].setdefault(e["ev"], e["t"])
 
     proxy_t: dict[str, dict[str, float]] = defaultdict(dict)
@@ -160,6 +170,12 @@ def request_breakdowns(trace_dir: Path) -> list[dict[str, Any]]:
             p = [pt["proxy_in"], *(pm[m] for m in P_MARKS), tid_plans[0]["t"]]
             for name, a, b in zip(P_PARTS, p, p[1:]):
                 row[name] = round((b - a) * 1000, 2)
+            if "reg_arrived" in pm and "d_registering" in pm:
+                reg = [pm["p_seen"]]
+                for t in (pm["d_registering"], pm["reg_arrived"], pm["p_admitted"]):
+                    reg.append(max(reg[-1], t))
+                for name, a, b in zip(REG_PARTS, reg, reg[1:]):
+                    row[name] = round((b - a) * 1000, 2)
         dm = d_marks.get(req_id, {})
         if all(m in dm for m in D_MARKS):
             d = [handed_over]
@@ -179,7 +195,7 @@ def medians_by_length(rows: list[dict[str, Any]]) -> dict[int, dict[str, float]]
     out = {}
     for n, rs in sorted(by_len.items()):
         keys = [*SEGMENTS, "total"]
-        for parts in (GPU_PARTS, P_PARTS, D_PARTS):
+        for parts in (GPU_PARTS, P_PARTS, REG_PARTS, D_PARTS):
             if all(k in r for r in rs for k in parts):
                 keys += parts
         out[n] = {"requests": len(rs), **{k: round(statistics.median(r[k] for r in rs), 2)
@@ -189,7 +205,7 @@ def medians_by_length(rows: list[dict[str, Any]]) -> dict[int, dict[str, float]]
 
 def format_table(medians: dict[int, dict[str, float]]) -> str:
     cols: tuple[str, ...] = ("requests", *SEGMENTS, "total")
-    for parts in (GPU_PARTS, P_PARTS, D_PARTS):
+    for parts in (GPU_PARTS, P_PARTS, REG_PARTS, D_PARTS):
         if medians and all(k in m for m in medians.values() for k in parts):
             cols += parts
     lines = ["| prompt tokens (P computed) | " + " | ".join(cols) + " |",

@@ -51,6 +51,7 @@ def traces(tmp_path: Path, schedulers: bool) -> Path:
             {"ev": "p_admitted", "transfer_id": TID, "t": 10.015},
         ])
         write(tmp_path / "trace.dsched.0", [
+            {"ev": "d_registering", "transfer_id": TID, "t": 10.011},
             {"ev": "recv_seen", "req_ids": [REQ], "t": 10.107},
             {"ev": "d_scheduled", "req_ids": [REQ], "t": 10.109},
         ])
@@ -62,6 +63,7 @@ def test_segments_and_parts_add_up(tmp_path: Path) -> None:
     expected = {"start_delay": 20.0, "prefill": 80.0, "last_copy": 3.0, "done_msg": 1.0,
                 "report": 1.0, "d_first": 45.0, "total": 150.0,
                 "p_intake": 10.0, "reg_wait": 5.0, "p_plan": 5.0,
+                "reg_from_d": 1.0, "reg_in": 2.0, "reg_pickup": 2.0,
                 "d_seen": 2.0, "d_sched": 2.0, "d_bind": 3.0, "d_forward": 2.0, "d_out": 36.0}
     for key, ms in expected.items():
         assert row[key] == pytest.approx(ms, abs=0.01), key
@@ -71,12 +73,34 @@ def test_segments_and_parts_add_up(tmp_path: Path) -> None:
     assert "reg_wait" in table and "d_out" in table
 
 
+def test_a_registration_sent_before_p_saw_the_request_counts_only_the_pickup(
+        tmp_path: Path) -> None:
+    """D registered (10.008) and P's thread read it (10.009) before P's scheduler saw the
+    request (10.010): P's whole wait (5 ms) is the pickup."""
+    traces(tmp_path, schedulers=True)
+    psched = tmp_path / "trace.psched.0"
+    events = [json.loads(line) for line in psched.read_text().splitlines()]
+    for e in events:
+        if e["ev"] == "reg_arrived":
+            e["t"] = 10.009
+    write(psched, events)
+    dsched = tmp_path / "trace.dsched.0"
+    events = [json.loads(line) for line in dsched.read_text().splitlines()]
+    events[0]["t"] = 10.008
+    write(dsched, events)
+    [row] = profile_trace.request_breakdowns(tmp_path)
+    assert (row["reg_from_d"], row["reg_in"]) == (0, 0)
+    assert row["reg_pickup"] == pytest.approx(row["reg_wait"], abs=0.01)
+    assert "reg_pickup" in profile_trace.format_table(profile_trace.medians_by_length([row]))
+
+
 def test_without_scheduler_traces_only_the_segments(tmp_path: Path) -> None:
     """Traces from before the schedulers traced (or a D rank without them): no parts, and the
     table keeps its old columns."""
     [row] = profile_trace.request_breakdowns(traces(tmp_path, schedulers=False))
     assert row["d_first"] == pytest.approx(45.0, abs=0.01)
-    assert not any(k in row for k in (*profile_trace.P_PARTS, *profile_trace.D_PARTS))
+    assert not any(k in row for k in (*profile_trace.P_PARTS, *profile_trace.REG_PARTS,
+                                      *profile_trace.D_PARTS))
     table = profile_trace.format_table(profile_trace.medians_by_length([row]))
     assert "d_first" in table and "reg_wait" not in table and "d_seen" not in table
 

@@ -132,6 +132,8 @@ class DecodeScheduler:
                           f"its last {self._backoff} token(s)); send this request without it "
                           "(the proxy's --first-token-from-prefill off)", notify_prefill=True)
             return
+        if self._tracer.enabled:
+            self._tracer.event("d_registering", transfer_id=params.transfer_id)
         self._client.send(params.remote, reg)
 
     def fail_at_once(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int,
