@@ -92,6 +92,7 @@ import secrets
 import shlex
 import signal
 import statistics
+import subprocess
 import sys
 import time
 import zlib
@@ -1119,11 +1120,56 @@ def run_config(config: Config, args: argparse.Namespace, runner: BenchServe,
 KNOWN_PLANES = ("cuda_ipc", "nixl", "mooncake", "tcp")
 
 
+def probe_transport(config: Config, device: str) -> str:
+    """The transport a P/D configuration is set to use: LayerKV's ``transport`` setting
+    (``auto`` on GPUs of one host is CUDA IPC), NIXL for NixlConnector."""
+    if config.family not in LAYERKV_CONFIGS:
+        return "nixl"
+    transport = LAYERKV_CONFIGS[config.family][0].get("transport", "auto")
+    if transport == "auto":
+        return "cuda_ipc" if device == "cuda" else "tcp"
+    return str(transport)
+
+
+def probe_link(config: Config, args: argparse.Namespace, when: str) -> dict[str, Any]:
+    """``--probe-around``: benchmarks/link_probe.py on this configuration's transport, under
+    its UCX_TLS, on P's and D's first GPUs (no server is up). The probe's case, or its error."""
+    transport = probe_transport(config, args.device)
+    out = args.out / f"probe_{config.name}_{when}.json"
+    places = layout(config, args.num_gpus, args.decode_first_gpu)
+    p_gpu = next(i for i in places if i.role == "prefill").visible.split(",")[0]
+    d_gpu = next(i for i in places if i.role == "decode").visible.split(",")[0]
+    cmd = [sys.executable, str(Path(__file__).resolve().parent / "link_probe.py"),
+           "--device", args.device, "--model", args.model, "--transports", transport,
+           "--p-gpu", p_gpu, "--d-gpu", d_gpu, "--out", str(out)]
+    if args.dtype:
+        cmd += ["--dtype", args.dtype]
+    if args.kv_cache_dtype:
+        cmd += ["--kv-cache-dtype", args.kv_cache_dtype]
+    env = {**os.environ, **config_env(config, args.device)}
+    try:
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        cases = link_probe.load_results([out]) if done.returncode == 0 else []
+    except (OSError, ValueError, subprocess.TimeoutExpired) as e:
+        done, cases = None, []
+        log(f"{config.name}: link probe {when} failed: {e}")
+    case = next((c for c in cases if c.get("ok")), None)
+    if case is None:
+        why = done.stderr[-500:] if done is not None else "see above"
+        return {"when": when, "transport": transport, "error": why}
+    log(f"{config.name}: link probe {when}: {transport} {case['gbps']:.2f} GB/s")
+    return {**case, "when": when}
+
+
 def link_of(config: Config, res: dict[str, Any], device: str,
             probe: list[dict[str, Any]]) -> tuple[float | None, str]:
     """(GB/s, what it is) of the link a P/D configuration's KV took (ideal_ttft.link_rate):
     LayerKV's by what P's log says it used (else its ``transport`` setting; ``auto`` on GPUs of
-    one host is CUDA IPC), NixlConnector's by NIXL under its ``UCX_TLS``."""
+    one host is CUDA IPC), NixlConnector's by NIXL under its ``UCX_TLS``. With
+    ``--probe-around`` the mean of the configuration's own probes before and after it."""
+    own = [c for c in res.get("link_probes", []) if c.get("ok")]
+    if own:
+        probe = [{**own[0], "gbps": statistics.mean(c["gbps"] for c in own)}]
     env = config_env(config, device)
     if config.family in LAYERKV_CONFIGS:
         transport = LAYERKV_CONFIGS[config.family][0].get("transport", "auto")
@@ -1291,6 +1337,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--link-probe", type=Path, nargs="+", default=[], metavar="PATH",
                     help="benchmarks/link_probe.py output files: the link rates of the ideal "
                          "TTFT (pacing configurations need none)")
+    ap.add_argument("--probe-around", action="store_true",
+                    help="probe each P/D configuration's link (benchmarks/link_probe.py, its "
+                         "transport and UCX_TLS) right before and right after it runs, with no "
+                         "server up, and take the mean of the two as its link rate (the rate "
+                         "of a host's loopback TCP moved 20 %% between runs minutes apart)")
     ap.add_argument("--identity", type=int, default=0, metavar="N",
                     help="greedy token-identity check with N prompts")
     ap.add_argument("--identity-ref", type=Path, default=None, metavar="PATH",
@@ -1390,12 +1441,17 @@ def main() -> int:
         for config in configs:
             res: dict[str, Any] = {}
             summary["results"][config.name] = res
+            probing = args.probe_around and config.pd and args.device == "cuda"
+            if probing:
+                res["link_probes"] = [probe_link(config, args, "before")]
             try:
                 ok &= run_config(config, args, runner, identity, res, save, capacity)
             except Exception as e:  # did not start: recorded, and the next configuration runs
                 res["error"] = f"did not start: {str(e)[-2000:]}"
                 ok = False
                 log(f"{config.name} did not start: {str(e)[-2000:]}")
+            if probing:
+                res["link_probes"].append(probe_link(config, args, "after"))
             # after every configuration: a run cut by a time limit keeps its ideal TTFTs too
             summary["ideal"] = ideal_report(summary, configs, args)
             save()

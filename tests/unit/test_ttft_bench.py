@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -551,6 +552,63 @@ def test_the_engine_prefill_ideal_and_p_s_prefill_beside_the_single_instance_s(
     assert ipc["ideal_ttft_ms"] == ipc["engine_ideal_ttft_ms"] == 254.0
     assert ipc["engine_ratio"] == ipc["ratio"] == round(260 / 254, 3)
     assert "engine_ideal_ttft_ms" not in report["configs"]["layerkv"]["points"][16000]
+
+
+def test_a_configuration_s_own_probes_before_and_after_it_give_its_link_rate(tmp_path) -> None:
+    """--probe-around: the mean of the probes around the configuration, not the run's file
+    (4.0 GB/s there); a failed probe does not count."""
+    summary, args = summary_for_ideal(tmp_path)
+    summary["results"]["layerkv-tcp"] = {
+        "c1_in8192": {"median_ttft_ms": 300.0}, "transport_used": "tcp",
+        "link_probes": [
+            {"transport": "tcp", "ok": True, "gbps": 3.0, "ucx_tls": None, "when": "before"},
+            {"transport": "tcp", "ok": True, "gbps": 3.5, "ucx_tls": None, "when": "after"},
+            {"transport": "tcp", "when": "after", "error": "x"}]}
+    configs = [ttft_bench.parse_config(n) for n in summary["results"]]
+    report = ttft_bench.ideal_report(summary, configs, args)
+    assert report["configs"]["layerkv-tcp"]["link_gbps"] == pytest.approx(3.25)
+    row = report["configs"]["layerkv-tcp"]["points"][8192]
+    assert row["ideal_ttft_ms"] == pytest.approx(20.0 + 8192 * 131072 / 3.25e6, abs=0.01)
+    assert report["configs"]["layerkv"]["link_gbps"] == 150.0  # no probes of its own
+
+
+@pytest.mark.parametrize("name, transport, ucx_tls", [
+    ("layerkv-nixl-tcp", "nixl", "tcp,cuda_copy,self"),
+    ("nixl-tcp", "nixl", "tcp,cuda_copy,self"),
+    ("layerkv-tcp", "tcp", None),
+    ("layerkv", "cuda_ipc", None),
+])
+def test_probe_around_probes_the_configuration_s_transport_on_its_gpus(
+        tmp_path, monkeypatch, name, transport, ucx_tls) -> None:
+    config = ttft_bench.parse_config(name)
+    args = argparse.Namespace(device="cuda", model="/m", dtype="bfloat16", kv_cache_dtype=None,
+                              num_gpus=4, decode_first_gpu=2, out=tmp_path)
+    seen = {}
+
+    def fake_run(cmd, env, **kw):
+        seen["cmd"], seen["env"] = cmd, env
+        out = Path(cmd[cmd.index("--out") + 1])
+        out.write_text(json.dumps({"results": [
+            {"transport": transport, "ok": True, "gbps": 3.7, "ucx_tls": ucx_tls}]}))
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(ttft_bench.subprocess, "run", fake_run)
+    case = ttft_bench.probe_link(config, args, "before")
+    assert case["gbps"] == 3.7 and case["when"] == "before"
+    cmd = seen["cmd"]
+    assert cmd[cmd.index("--transports") + 1] == transport
+    assert (cmd[cmd.index("--p-gpu") + 1], cmd[cmd.index("--d-gpu") + 1]) == ("0", "2")
+    assert seen["env"].get("UCX_TLS") == ucx_tls
+    assert cmd[cmd.index("--dtype") + 1] == "bfloat16"
+
+
+def test_a_failed_probe_is_recorded_with_its_error(tmp_path, monkeypatch) -> None:
+    args = argparse.Namespace(device="cuda", model="/m", dtype=None, kv_cache_dtype=None,
+                              num_gpus=2, decode_first_gpu=None, out=tmp_path)
+    monkeypatch.setattr(ttft_bench.subprocess, "run", lambda cmd, **kw:
+                        subprocess.CompletedProcess(cmd, 1, "", "no GPU here"))
+    case = ttft_bench.probe_link(ttft_bench.parse_config("layerkv-tcp"), args, "after")
+    assert case == {"when": "after", "transport": "tcp", "error": "no GPU here"}
 
 
 def test_engine_phases_are_the_means_over_the_requests_between_two_scrapes() -> None:
