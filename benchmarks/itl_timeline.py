@@ -42,6 +42,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from png import save_png  # benchmarks/png.py, beside this script
+
 JOIN_SLACK = 0.5
 """A first token counts as part of a gap that ends up to this fraction of the median gap before
 it. The tokens of one engine step reach the client over separate streams, one after another:
@@ -217,7 +219,7 @@ def plot(timelines: dict[str, list[dict[str, Any]]], out: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    save_png(fig, out, dpi=120)
 
 
 def main() -> None:

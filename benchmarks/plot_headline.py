@@ -16,6 +16,8 @@ import argparse
 import json
 from pathlib import Path
 
+from png import save_png  # benchmarks/png.py, beside this script
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 # (label, date, run folders under RESULTS, configuration name in their summary.json)
@@ -81,7 +83,7 @@ def main() -> None:
                  fontsize=9)
     fig.tight_layout()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(args.out, dpi=100)
+    save_png(fig, args.out, dpi=100)
     print(f"wrote {args.out}")
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ideal_ttft import ideal_ttft_ms  # benchmarks/ideal_ttft.py, beside this script
+from png import save_png  # benchmarks/png.py, beside this script
 
 PACED = re.compile(r"^(?P<base>.+)-(?P<gbps>\d+(?:\.\d+)?)g(?P<rest>(?:-\d+p)?(?:-tp\d+-tp\d+)?)$")
 
@@ -118,7 +119,7 @@ def plot(table: dict[str, Any], out: Path) -> None:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out / "link_rates.png", dpi=110)
+    save_png(fig, out / "link_rates.png", dpi=110)
 
 
 def read_summaries(paths: list[Path]) -> list[dict[str, Any]]:

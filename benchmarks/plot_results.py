@@ -15,6 +15,8 @@ import json
 import re
 from pathlib import Path
 
+from png import save_png  # benchmarks/png.py, beside this script
+
 C1 = re.compile(r"\] (\S+) in=(\d+): median TTFT ([\d.]+) ms")
 LOAD = re.compile(r"\] (\S+) load c=(\d+): mean TTFT ([\d.]+) ms, mean TPOT ([\d.]+) ms"
                   r"(?:, mean E2E ([\d.]+) ms, ([\d.]+) requests/s)?")
@@ -112,7 +114,7 @@ def plot(table: dict, out: Path) -> None:
     ax.legend()
     ax.set_title("TTFT vs prompt length")
     fig.tight_layout()
-    fig.savefig(out / "ttft_vs_prompt.png", dpi=110)
+    save_png(fig, out / "ttft_vs_prompt.png", dpi=110)
     if table["load"]:
         fig, axes = plt.subplots(1, 2, figsize=(8, 3.8))
         names = list(table["load"])
@@ -124,7 +126,7 @@ def plot(table: dict, out: Path) -> None:
         c = next(iter(table["load"].values()))["concurrency"]
         fig.suptitle(f"under load (concurrency {c})")
         fig.tight_layout()
-        fig.savefig(out / "load_ttft_tpot.png", dpi=110)
+        save_png(fig, out / "load_ttft_tpot.png", dpi=110)
     if table.get("rates"):
         fig, axes = plt.subplots(1, 2, figsize=(9, 3.8))
         for name, points in table["rates"].items():
@@ -140,7 +142,7 @@ def plot(table: dict, out: Path) -> None:
         axes[0].legend()
         fig.suptitle("open-loop rate points")
         fig.tight_layout()
-        fig.savefig(out / "rates_goodput_ttft.png", dpi=110)
+        save_png(fig, out / "rates_goodput_ttft.png", dpi=110)
 
 
 def main() -> None:
