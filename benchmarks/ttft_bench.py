@@ -1150,7 +1150,7 @@ def probe_link(config: Config, args: argparse.Namespace, when: str) -> dict[str,
     try:
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
         cases = link_probe.load_results([out]) if done.returncode == 0 else []
-    except (OSError, ValueError, subprocess.TimeoutExpired) as e:
+    except (OSError, ValueError, KeyError, subprocess.TimeoutExpired) as e:
         done, cases = None, []
         log(f"{config.name}: link probe {when} failed: {e}")
     case = next((c for c in cases if c.get("ok")), None)
@@ -1392,6 +1392,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--rate-warmup must be >= 0 and --capacity-prompts >= 1")
     if args.capacity is not None and args.capacity <= 0:
         ap.error(f"--capacity {args.capacity}: a positive number of requests per second")
+    if args.probe_around and args.device != "cuda":
+        ap.error("--probe-around probes the links between GPUs: use it with --device cuda "
+                 "(on CPU, give --link-probe files from benchmarks/link_probe.py --device cpu)")
     for flags in ("vllm_args", "tp_vllm_args"):
         try:
             shlex.split(getattr(args, flags))
@@ -1441,7 +1444,7 @@ def main() -> int:
         for config in configs:
             res: dict[str, Any] = {}
             summary["results"][config.name] = res
-            probing = args.probe_around and config.pd and args.device == "cuda"
+            probing = args.probe_around and config.pd
             if probing:
                 res["link_probes"] = [probe_link(config, args, "before")]
             try:

@@ -602,6 +602,13 @@ def test_probe_around_probes_the_configuration_s_transport_on_its_gpus(
     assert cmd[cmd.index("--dtype") + 1] == "bfloat16"
 
 
+def test_probe_around_on_cpu_is_refused_with_what_to_use_instead(tmp_path, capsys) -> None:
+    with pytest.raises(SystemExit):
+        ttft_bench.parse_args(["--device", "cpu", "--model", "/m", "--configs", "layerkv",
+                               "--probe-around", "--out", str(tmp_path)])
+    assert "use it with --device cuda" in capsys.readouterr().err
+
+
 def test_a_failed_probe_is_recorded_with_its_error(tmp_path, monkeypatch) -> None:
     args = argparse.Namespace(device="cuda", model="/m", dtype=None, kv_cache_dtype=None,
                               num_gpus=2, decode_first_gpu=None, out=tmp_path)
