@@ -1031,6 +1031,70 @@ def test_deferred_prefill_starts_soon_after_its_registration_while_steps_spin(en
         relay.wait()
 
 
+def test_idle_prefill_is_admitted_in_the_pass_its_registration_arrives(engines, monkeypatch
+                                                                        ) -> None:
+    """P idle: the pass that finds a prefill without its registration waits for it and admits
+    the request at once, instead of after an empty step and another pass. The budget is large
+    here so that a slow CI host cannot miss it; the wait ends when the registration comes."""
+    from vllm_layerkv.scheduler import prefill
+
+    monkeypatch.setattr(prefill, "ADMISSION_WAIT_S", 5.0)
+    p = engines("kv_producer", {"registration_wait_s": 30, "idle_backoff": "off"})
+    d = engines("kv_consumer")
+    rp = create_request(40, {"do_remote_decode": True, "transfer_id": "inpass"}, seed=8)
+    rd = create_request(40, decode_params("inpass", p.endpoint), max_tokens=2, seed=8)
+    p.scheduler.add_request(rp)
+
+    def decode_registers() -> None:
+        time.sleep(0.2)  # P is in its pass by now
+        d.scheduler.add_request(rd)
+        d.step()
+
+    t = threading.Thread(target=decode_registers)
+    t.start()
+    t0 = time.monotonic()
+    rec = p.step()
+    took = time.monotonic() - t0
+    t.join()
+    assert rec.num_scheduled == {rp.request_id: 40}, f"P did not admit it in the same pass ({took})"
+    assert 0.15 < took < 4.0, f"the pass took {took:.2f} s"
+    run_both_until_idle(p, d)
+
+
+def test_a_busy_prefill_instance_does_not_wait_in_its_pass(engines, monkeypatch) -> None:
+    """While P runs a prefill, a new request without its registration is deferred at once: a
+    wait in the pass would hold the running prefill's next chunk up. A budget spent by the
+    pass is not spent again in the same pass."""
+    from vllm_layerkv.scheduler import prefill
+
+    monkeypatch.setattr(prefill, "ADMISSION_WAIT_S", 0.5)
+    p = engines("kv_producer", {**P_EXTRA, "registration_wait_s": 30, "idle_backoff": "off"},
+                max_num_batched_tokens=CHUNK)
+    d = engines("kv_consumer")
+    long_p = create_request(150, {"do_remote_decode": True, "transfer_id": "busy"}, seed=9)
+    long_d = create_request(150, decode_params("busy", p.endpoint), max_tokens=2, seed=9)
+    d.scheduler.add_request(long_d)
+    d.step()
+    wait_registration_arrived(p)
+    p.scheduler.add_request(long_p)
+    assert p.step().num_scheduled == {long_p.request_id: CHUNK}  # first chunk; P is busy now
+    late = [create_request(40, {"do_remote_decode": True, "transfer_id": f"late{i}"}, seed=i)
+            for i in range(2)]
+    for r in late:
+        p.scheduler.add_request(r)
+    t0 = time.monotonic()
+    rec = p.step()
+    assert rec.num_scheduled == {long_p.request_id: CHUNK}  # the late ones are deferred
+    assert time.monotonic() - t0 < 0.4, "a busy P waited in its pass"
+    p.run_until(lambda: long_p.request_id in p.finished, others=(d,))
+    t0 = time.monotonic()
+    assert p.step().num_scheduled == {}  # idle now: one budget for both deferred requests
+    assert 0.45 < time.monotonic() - t0 < 0.9
+    for r in late:
+        p.scheduler.finish_requests(r.request_id, RequestStatus.FINISHED_ABORTED)
+    run_both_until_idle(p, d)
+
+
 # ------------------------------------------------------------------------- early release
 
 

@@ -79,6 +79,15 @@ thread only after ``sys.getswitchinterval()`` (5 ms) of that, so the thread that
 registration on its socket waited for it (measured on an H200 host: P held 4K prefills
 0.4-7 ms, median 2 ms, for registrations D had sent). A request that reaches P during the wait
 is scheduled at most this much later."""
+ADMISSION_WAIT_S = 0.003
+"""While P is idle (every request of its last step has finished, and it admitted nothing yet in
+this scheduling pass), the pass that finds a prefill still without its registration waits up to
+this long for it, and admits the request in that same pass when it comes. Otherwise the
+request waits out the empty step that pass becomes (a round trip through vLLM's executor) and
+the next pass: on H200 hosts P admitted prefills 0.5-1.5 ms after their registration had
+arrived. P has nothing else to run in such a pass; a request that reaches the engine during
+the wait is scheduled at most this much later. One budget per pass, shared by the deferred
+prefills it finds."""
 LATE_REGISTRATION_STREAK = 3
 """After this many registrations in a row that arrived only once their prefill had finished, P
 stops holding new prefills back for registrations: the router in front sends the decode request
@@ -145,6 +154,11 @@ class PrefillScheduler:
         self._arrived = threading.Event()
         """Set by the registration threads when a Register or Cancel is queued."""
         self._idle_wait = Backoff(IDLE_WAIT_MIN_S, IDLE_WAIT_MAX_S)
+        self._under_way: set[str] = set()
+        """The requests the last step scheduled that have not finished since (any request of
+        this instance, LayerKV's or not): P is idle once there are none."""
+        self._admitted_in_pass = False
+        self._pass_wait_left = ADMISSION_WAIT_S
         self._tracer = Tracer(config.trace_path, "psched", 0)
         self._auth = ChannelAuth.from_config(config)
         self._limits = ListenerLimits.from_config(config)
@@ -235,11 +249,12 @@ class PrefillScheduler:
         if params.sequential or self._late_registrations >= LATE_REGISTRATION_STREAK:
             return False  # D registers only after this prefill's answer
         self._drain_incoming()
-        if params.transfer_id in self._early_regs:
+        now = time.monotonic()
+        first = self._first_seen.setdefault(req_id, now)
+        if self._registered(params.transfer_id, until=first + wait):
             self._first_seen.pop(req_id, None)
             return False
         now = time.monotonic()
-        first = self._first_seen.setdefault(req_id, now)
         if now - first < wait:
             return True
         self._first_seen.pop(req_id, None)
@@ -247,8 +262,38 @@ class PrefillScheduler:
                     "prefilling anyway (KV goes out once it registers)", params.transfer_id, wait)
         return False
 
+    def _registered(self, transfer_id: str, until: float) -> bool:
+        """Whether D's registration for ``transfer_id`` is here; while P is idle, waits for it
+        within the pass's ADMISSION_WAIT_S (and never past ``until``, the deferral's end)."""
+        if transfer_id in self._early_regs:
+            return True
+        if not self._idle():
+            return False
+        start = time.monotonic()
+        end = min(start + self._pass_wait_left, until)
+        try:
+            while (left := end - time.monotonic()) > 0:
+                if self._arrived.wait(left):
+                    self._arrived.clear()  # what arrived is drained now
+                    self._drain_incoming()
+                    if transfer_id in self._early_regs:
+                        return True
+            return False
+        finally:
+            self._pass_wait_left = max(0.0, self._pass_wait_left - (time.monotonic() - start))
+
+    def _idle(self) -> bool:
+        """Nothing for P to run in this pass but what waits for a registration: no request of
+        the last step is still under way, and this pass admitted none."""
+        return not self._admitted_in_pass and not self._under_way
+
+    def request_ended(self, req_id: str) -> None:
+        """Any request of this instance finished (LayerKV's or not)."""
+        self._under_way.discard(req_id)
+
     def track(self, req_id: str, params: PrefillParams, num_prompt_tokens: int) -> str | None:
         """Start serving a prefill request; returns an error message if it cannot be."""
+        self._admitted_in_pass = True  # this pass runs work: later ones in it must not wait
         if req_id in self._by_req:  # re-admitted after preemption: already tracked
             return None
         self._first_seen.pop(req_id, None)
@@ -271,6 +316,10 @@ class PrefillScheduler:
         return None
 
     def build_meta(self, meta: LayerKVMetadata, scheduler_output: SchedulerOutput) -> None:
+        # the end of a scheduling pass: what the next one may wait for depends on this step
+        self._under_way = set(scheduler_output.num_scheduled_tokens)
+        self._admitted_in_pass = False
+        self._pass_wait_left = ADMISSION_WAIT_S
         self._wait_for_decode(scheduler_output)
         self._drain_incoming()
         self._expire()

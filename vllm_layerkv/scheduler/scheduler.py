@@ -166,6 +166,8 @@ class LayerKVScheduler:
         req_id = request.request_id
         params = self._parsed.pop(req_id, None)
         error = self._errors.pop(req_id, None)
+        if self._prefill is not None:
+            self._prefill.request_ended(req_id)
         if isinstance(params, UnservedRemotePrefill) and self._decode is not None:
             self._decode.request_finished(req_id)
         if error is not None:
