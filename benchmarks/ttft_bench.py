@@ -1281,6 +1281,52 @@ def order_for_capacity(configs: list[Config], args: argparse.Namespace) -> list[
     return singles + [c for c in configs if c.family != "single"]
 
 
+def later_start(args: argparse.Namespace, start: int
+                ) -> tuple[argparse.Namespace, IdentityCheck]:
+    """``--starts``: the arguments of start ``start`` (> 1): the c=1 points only (no identity,
+    load or rate points), its files in OUT/start<k>/."""
+    later = argparse.Namespace(**vars(args))
+    later.out = args.out / f"start{start}"
+    later.out.mkdir(parents=True, exist_ok=True)
+    later.load, later.rates, later.identity = [], [], 0
+    return later, IdentityCheck(0, later, later.out / "identity_single.json")
+
+
+def c1_over_starts(summary: dict[str, Any], configs: list[Config], args: argparse.Namespace
+                   ) -> dict[str, Any]:
+    """``--starts``: per configuration and prompt length, the median TTFT of each start and
+    their median; per P/D configuration, that median over the single instance's."""
+    runs = [summary["results"], *summary.get("starts", {}).values()]
+    out: dict[str, Any] = {}
+    for config in configs:
+        points: dict[str, Any] = {}
+        for n in args.prompt_lens:
+            medians = [r[config.name][f"c1_in{n}"]["median_ttft_ms"] for r in runs
+                       if f"c1_in{n}" in r.get(config.name, {})]
+            if medians:
+                points[str(n)] = {"medians": medians,
+                                  "median_ttft_ms": round(statistics.median(medians), 2)}
+        out[config.name] = points
+    single = out.get("single", {})
+    for config in configs:
+        if not config.pd:
+            continue
+        for n, point in out[config.name].items():
+            if n in single:
+                point["ratio_to_single"] = round(
+                    point["median_ttft_ms"] / single[n]["median_ttft_ms"], 3)
+    return out
+
+
+def log_over_starts(report: dict[str, Any]) -> None:
+    for name, points in report.items():
+        for n, p in points.items():
+            ratio = f", {p['ratio_to_single']}x single" if "ratio_to_single" in p else ""
+            log(f"{name} in={n}: median TTFT over {len(p['medians'])} starts "
+                f"{p['median_ttft_ms']:.1f} ms{ratio} (per start: "
+                + ", ".join(f"{m:.1f}" for m in p["medians"]) + ")")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, checked (sys.argv's when ``argv`` is None)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
@@ -1342,6 +1388,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "transport and UCX_TLS) right before and right after it runs, with no "
                          "server up, and take the mean of the two as its link rate (the rate "
                          "of a host's loopback TCP moved 20 %% between runs minutes apart)")
+    ap.add_argument("--starts", type=int, default=1, metavar="N",
+                    help="start every configuration N times, the configurations in turn "
+                         "(A B C, A B C, ...), and report each c=1 point's median TTFT over "
+                         "the N starts (``c1_over_starts``): one start's median moves with the "
+                         "start (the single instance's 4K median moved 115-127 ms over four "
+                         "starts on one host). Starts after the first measure the c=1 points "
+                         "only, into OUT/start<k>/ (default 1)")
     ap.add_argument("--identity", type=int, default=0, metavar="N",
                     help="greedy token-identity check with N prompts")
     ap.add_argument("--identity-ref", type=Path, default=None, metavar="PATH",
@@ -1387,6 +1440,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.load_repeats < 1:
         ap.error(f"--load-repeats must be 1 or more, not {args.load_repeats}")
+    if args.starts < 1:
+        ap.error(f"--starts must be 1 or more, not {args.starts}")
     args.rates = [rate for group in args.rates for rate in group]
     if args.rate_warmup < 0 or args.capacity_prompts < 1:
         ap.error("--rate-warmup must be >= 0 and --capacity-prompts >= 1")
@@ -1441,27 +1496,37 @@ def main() -> int:
     runner = BenchServe(args.out / "bench_serve_worker.log")
     runner.start()
     try:
-        for config in configs:
-            res: dict[str, Any] = {}
-            summary["results"][config.name] = res
-            probing = args.probe_around and config.pd
-            if probing:
-                res["link_probes"] = [probe_link(config, args, "before")]
-            try:
-                ok &= run_config(config, args, runner, identity, res, save, capacity)
-            except Exception as e:  # did not start: recorded, and the next configuration runs
-                res["error"] = f"did not start: {str(e)[-2000:]}"
-                ok = False
-                log(f"{config.name} did not start: {str(e)[-2000:]}")
-            if probing:
-                res["link_probes"].append(probe_link(config, args, "after"))
-            # after every configuration: a run cut by a time limit keeps its ideal TTFTs too
-            summary["ideal"] = ideal_report(summary, configs, args)
-            save()
+        for start in range(1, args.starts + 1):
+            start_args, start_identity = (args, identity) if start == 1 else later_start(args,
+                                                                                        start)
+            results = summary["results"] if start == 1 else summary.setdefault(
+                "starts", {}).setdefault(str(start), {})
+            for config in configs:
+                res: dict[str, Any] = {}
+                results[config.name] = res
+                probing = args.probe_around and config.pd and start == 1
+                if probing:
+                    res["link_probes"] = [probe_link(config, args, "before")]
+                try:
+                    ok &= run_config(config, start_args, runner, start_identity, res, save,
+                                     capacity)
+                except Exception as e:  # did not start: recorded, the next configuration runs
+                    res["error"] = f"did not start: {str(e)[-2000:]}"
+                    ok = False
+                    log(f"{config.name} did not start: {str(e)[-2000:]}")
+                if probing:
+                    res["link_probes"].append(probe_link(config, args, "after"))
+                # after every configuration: a run cut by a time limit keeps its ideal TTFTs
+                summary["ideal"] = ideal_report(summary, configs, args)
+                if args.starts > 1:
+                    summary["c1_over_starts"] = c1_over_starts(summary, configs, args)
+                save()
     finally:
         runner.close()
     if "ideal" in summary:
         log_ideal(summary["ideal"])
+    if "c1_over_starts" in summary:
+        log_over_starts(summary["c1_over_starts"])
     table = []
     for n in args.prompt_lens:
         row = [f"{n:>6}"]
@@ -1469,7 +1534,8 @@ def main() -> int:
             v = summary["results"].get(c.name, {}).get(f"c1_in{n}", {}).get("median_ttft_ms")
             row.append(f"{v:10.1f}" if v is not None else f"{'-':>10}")
         table.append(" | ".join(row))
-    print("median TTFT (ms), c=1\n" + " | ".join(["prompt"] + [f"{c.name:>10}" for c in configs]))
+    print("median TTFT (ms), c=1, first start\n"
+          + " | ".join(["prompt"] + [f"{c.name:>10}" for c in configs]))
     print("\n".join(table))
     print(json.dumps(summary["identity"]))
     return 0 if ok else 1

@@ -1021,3 +1021,49 @@ def test_each_rate_point_records_the_decode_instance_s_own_itl(
                                       "engine_steps": 10}
     assert decoder.scrapes == 2  # once before the measured run, once after; not the warm-up
     assert "cpu" in point
+
+
+def test_starts_run_the_configurations_in_turn_and_report_the_median_over_starts(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--starts 3``: single, layerkv, single, layerkv, ...; later starts measure the c=1
+    points only, into OUT/start<k>/; the report is each start's median and their median."""
+    import sys
+
+    ran = []
+    medians = {"single": [100.0, 120.0, 110.0], "layerkv": [115.0, 114.0, 116.0]}
+
+    class NoWorker:
+        def __init__(self, *args) -> None:
+            pass
+
+        def start(self) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    def run_config(config, args, runner, identity, res, save, capacity):
+        ran.append((config.name, args.out.name, args.identity, list(args.load)))
+        start = sum(name == config.name for name, *_ in ran)
+        res["c1_in4096"] = {"median_ttft_ms": medians[config.name][start - 1]}
+        return True
+
+    monkeypatch.setattr(ttft_bench, "BenchServe", NoWorker)
+    monkeypatch.setattr(ttft_bench, "run_config", run_config)
+    out = tmp_path / "o"
+    monkeypatch.setattr(sys, "argv", [
+        "ttft_bench.py", "--device", "cpu", "--model", "m", "--out", str(out), "--configs",
+        "single", "layerkv", "--prompt-lens", "4096", "--load", "2:64:4:4", "--starts", "3"])
+    assert ttft_bench.main() == 0
+    assert ran == [("single", "o", 0, [(2, 64, 4, 4)]), ("layerkv", "o", 0, [(2, 64, 4, 4)]),
+                   ("single", "start2", 0, []), ("layerkv", "start2", 0, []),
+                   ("single", "start3", 0, []), ("layerkv", "start3", 0, [])]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["results"]["single"]["c1_in4096"]["median_ttft_ms"] == 100.0  # first start
+    assert summary["starts"]["3"]["layerkv"]["c1_in4096"]["median_ttft_ms"] == 116.0
+    over = summary["c1_over_starts"]
+    assert over["single"]["4096"] == {"medians": [100.0, 120.0, 110.0], "median_ttft_ms": 110.0}
+    assert over["layerkv"]["4096"] == {"medians": [115.0, 114.0, 116.0], "median_ttft_ms": 115.0,
+                                       "ratio_to_single": 1.045}
+    with pytest.raises(SystemExit):
+        ttft_bench.parse_args(["--model", "m", "--out", str(out), "--starts", "0"])
