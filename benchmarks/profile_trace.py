@@ -48,6 +48,13 @@ d_first is split further (``D_PARTS``; their sum is d_first):
   d_out         -> D's first bytes reach the proxy (sampling, output processing, detokenizing,
                 the HTTP stream)
 
+With the first token from P (the proxy's ``--first-token-from-prefill``: its trace has
+``proxy_p_token``), the client's first token is P's (``FT_PARTS``):
+
+  p_answer      the sender sees P's last layer group done -> P's token reaches the proxy
+                (P's sampling, output processing, its API server's JSON answer)
+  ft_total      proxy in -> P's token at the proxy: the TTFT the proxy sees
+
 On GPU, P's trace also says when each group was ready on the device (``group_ready``, a
 timing event recorded when the step was planned), which splits prefill (``GPU_PARTS``):
 
@@ -76,6 +83,7 @@ D_MARKS = ("recv_seen", "d_scheduled", "d_step_bound", "d_step_launched")
 P_PARTS = ("p_intake", "reg_wait", "p_plan")
 P_MARKS = ("p_seen", "p_admitted")
 REG_PARTS = ("reg_from_d", "reg_in", "reg_pickup")
+FT_PARTS = ("p_answer", "ft_total")
 GPU_PARTS = ("p_gpu", "send_wait")
 
 
@@ -161,6 +169,10 @@ def request_breakdowns(trace_dir: Path) -> list[dict[str, Any]]:
         for name, a, b in zip(SEGMENTS, marks, marks[1:]):
             row[name] = round((b - a) * 1000, 2)
         row["total"] = round((marks[-1] - marks[0]) * 1000, 2)
+        if "proxy_p_token" in pt:
+            row["p_answer"] = round((pt["proxy_p_token"] - group_times["group_send_start"])
+                                    * 1000, 2)
+            row["ft_total"] = round((pt["proxy_p_token"] - pt["proxy_in"]) * 1000, 2)
         device_s = [ready_s.get((p["step"], p["groups"] - 1)) for p in tid_plans]
         if all(s is not None for s in device_s):
             row["p_gpu"] = round(sum(device_s) * 1000, 2)  # type: ignore[arg-type]
@@ -195,7 +207,7 @@ def medians_by_length(rows: list[dict[str, Any]]) -> dict[int, dict[str, float]]
     out = {}
     for n, rs in sorted(by_len.items()):
         keys = [*SEGMENTS, "total"]
-        for parts in (GPU_PARTS, P_PARTS, REG_PARTS, D_PARTS):
+        for parts in (GPU_PARTS, P_PARTS, REG_PARTS, D_PARTS, FT_PARTS):
             if all(k in r for r in rs for k in parts):
                 keys += parts
         out[n] = {"requests": len(rs), **{k: round(statistics.median(r[k] for r in rs), 2)
@@ -205,7 +217,7 @@ def medians_by_length(rows: list[dict[str, Any]]) -> dict[int, dict[str, float]]
 
 def format_table(medians: dict[int, dict[str, float]]) -> str:
     cols: tuple[str, ...] = ("requests", *SEGMENTS, "total")
-    for parts in (GPU_PARTS, P_PARTS, REG_PARTS, D_PARTS):
+    for parts in (GPU_PARTS, P_PARTS, REG_PARTS, D_PARTS, FT_PARTS):
         if medians and all(k in m for m in medians.values() for k in parts):
             cols += parts
     lines = ["| prompt tokens (P computed) | " + " | ".join(cols) + " |",

@@ -94,6 +94,26 @@ def test_a_registration_sent_before_p_saw_the_request_counts_only_the_pickup(
     assert "reg_pickup" in profile_trace.format_table(profile_trace.medians_by_length([row]))
 
 
+def test_the_first_token_from_p_is_timed_from_p_s_last_group_to_the_proxy(
+        tmp_path: Path) -> None:
+    """``--first-token-from-prefill``: P's token reached the proxy at 10.109, 9 ms after the
+    sender saw P's last group done (10.100), 109 ms after the request came in."""
+    traces(tmp_path, schedulers=True)
+    proxy = tmp_path / "trace.proxy.0"
+    events = [json.loads(line) for line in proxy.read_text().splitlines()]
+    events.insert(1, {"ev": "proxy_p_token", "transfer_id": TID, "t": 10.109})
+    write(proxy, events)
+    [row] = profile_trace.request_breakdowns(tmp_path)
+    assert row["p_answer"] == pytest.approx(9.0, abs=0.01)
+    assert row["ft_total"] == pytest.approx(109.0, abs=0.01)
+    table = profile_trace.format_table(profile_trace.medians_by_length([row]))
+    assert "p_answer" in table and "ft_total" in table
+    default_flow = tmp_path / "default_flow"
+    default_flow.mkdir()
+    [plain] = profile_trace.request_breakdowns(traces(default_flow, schedulers=True))
+    assert "p_answer" not in plain
+
+
 def test_without_scheduler_traces_only_the_segments(tmp_path: Path) -> None:
     """Traces from before the schedulers traced (or a D rank without them): no parts, and the
     table keeps its old columns."""

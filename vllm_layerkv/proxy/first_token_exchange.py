@@ -122,8 +122,11 @@ class FirstTokenExchange(Exchange):
             msg, type_ = d_res.error_message()
             await StreamRelay.finish(response, d_res.status, f"decode failed: {msg}", type_)
             return response
+        tid = self.client.tid
         relay = StreamRelay(self.client.http, d_res, self.decode, self.out_headers,
-                            response=response, edit=UsagePlusOne())
+                            response=response, edit=UsagePlusOne(), on_first=(
+                                (lambda: self.tracer.event("proxy_d_first", transfer_id=tid))
+                                if self.tracer.enabled else None))
         relay_task = asyncio.create_task(relay.run())
         try:
             return await relay.answer(relay_task, self.client.tid)
