@@ -55,6 +55,12 @@ With the first token from P (the proxy's ``--first-token-from-prefill``: its tra
                 (P's sampling, output processing, its API server's JSON answer)
   ft_total      proxy in -> P's token at the proxy: the TTFT the proxy sees
 
+and with P's scheduler trace, p_answer is split (``ANSWER_PARTS``; their sum is p_answer):
+
+  p_to_engine   -> P's scheduler has the finished request (the rest of the forward, sampling,
+                the step's output back to the engine core)
+  p_frontend    -> P's token at the proxy (engine core to API server, the JSON answer, HTTP)
+
 On GPU, P's trace also says when each group was ready on the device (``group_ready``, a
 timing event recorded when the step was planned), which splits prefill (``GPU_PARTS``):
 
@@ -84,6 +90,7 @@ P_PARTS = ("p_intake", "reg_wait", "p_plan")
 P_MARKS = ("p_seen", "p_admitted")
 REG_PARTS = ("reg_from_d", "reg_in", "reg_pickup")
 FT_PARTS = ("p_answer", "ft_total")
+ANSWER_PARTS = ("p_to_engine", "p_frontend")
 GPU_PARTS = ("p_gpu", "send_wait")
 
 
@@ -133,7 +140,7 @@ def request_breakdowns(trace_dir: Path) -> list[dict[str, Any]]:
 
     p_marks: dict[str, dict[str, float]] = defaultdict(dict)
     for e in read_events(trace_dir / "trace.psched.0") + read_events(trace_dir / "trace.dsched.0"):
-        if e["ev"] in (*P_MARKS, "reg_arrived", "d_registering"):
+        if e["ev"] in (*P_MARKS, "reg_arrived", "d_registering", "p_finished"):
             p_marks[e["transfer_id"]].setdefault(e["ev"], e["t"])
 
     proxy_t: dict[str, dict[str, float]] = defaultdict(dict)
@@ -173,6 +180,11 @@ def request_breakdowns(trace_dir: Path) -> list[dict[str, Any]]:
             row["p_answer"] = round((pt["proxy_p_token"] - group_times["group_send_start"])
                                     * 1000, 2)
             row["ft_total"] = round((pt["proxy_p_token"] - pt["proxy_in"]) * 1000, 2)
+            finished = p_marks.get(tid, {}).get("p_finished")
+            if finished is not None:
+                at = min(max(finished, group_times["group_send_start"]), pt["proxy_p_token"])
+                row["p_to_engine"] = round((at - group_times["group_send_start"]) * 1000, 2)
+                row["p_frontend"] = round((pt["proxy_p_token"] - at) * 1000, 2)
         device_s = [ready_s.get((p["step"], p["groups"] - 1)) for p in tid_plans]
         if all(s is not None for s in device_s):
             row["p_gpu"] = round(sum(device_s) * 1000, 2)  # type: ignore[arg-type]
@@ -207,7 +219,7 @@ def medians_by_length(rows: list[dict[str, Any]]) -> dict[int, dict[str, float]]
     out = {}
     for n, rs in sorted(by_len.items()):
         keys = [*SEGMENTS, "total"]
-        for parts in (GPU_PARTS, P_PARTS, REG_PARTS, D_PARTS, FT_PARTS):
+        for parts in (GPU_PARTS, P_PARTS, REG_PARTS, D_PARTS, FT_PARTS, ANSWER_PARTS):
             if all(k in r for r in rs for k in parts):
                 keys += parts
         out[n] = {"requests": len(rs), **{k: round(statistics.median(r[k] for r in rs), 2)
@@ -217,7 +229,7 @@ def medians_by_length(rows: list[dict[str, Any]]) -> dict[int, dict[str, float]]
 
 def format_table(medians: dict[int, dict[str, float]]) -> str:
     cols: tuple[str, ...] = ("requests", *SEGMENTS, "total")
-    for parts in (GPU_PARTS, P_PARTS, REG_PARTS, D_PARTS, FT_PARTS):
+    for parts in (GPU_PARTS, P_PARTS, REG_PARTS, D_PARTS, FT_PARTS, ANSWER_PARTS):
         if medians and all(k in m for m in medians.values() for k in parts):
             cols += parts
     lines = ["| prompt tokens (P computed) | " + " | ".join(cols) + " |",

@@ -107,7 +107,14 @@ def test_the_first_token_from_p_is_timed_from_p_s_last_group_to_the_proxy(
     assert row["p_answer"] == pytest.approx(9.0, abs=0.01)
     assert row["ft_total"] == pytest.approx(109.0, abs=0.01)
     table = profile_trace.format_table(profile_trace.medians_by_length([row]))
-    assert "p_answer" in table and "ft_total" in table
+    assert "p_answer" in table and "ft_total" in table and "p_frontend" not in table
+    # P's scheduler had the finished request at 10.102: 2 ms to the engine, 7 ms after it
+    with (tmp_path / "trace.psched.0").open("a") as f:
+        f.write(json.dumps({"ev": "p_finished", "transfer_id": TID, "t": 10.102}) + "\n")
+    [row] = profile_trace.request_breakdowns(tmp_path)
+    assert row["p_to_engine"] == pytest.approx(2.0, abs=0.01)
+    assert row["p_frontend"] == pytest.approx(7.0, abs=0.01)
+    assert "p_frontend" in profile_trace.format_table(profile_trace.medians_by_length([row]))
     default_flow = tmp_path / "default_flow"
     default_flow.mkdir()
     [plain] = profile_trace.request_breakdowns(traces(default_flow, schedulers=True))

@@ -161,14 +161,16 @@ class Orchestrator:
         self.tracer.event("proxy_in", transfer_id=tid)
         # Both in flight at once: D registers with P while P prefills, and P streams the KV
         # layer group by layer group; waiting for P's answer first would serialise exactly what
-        # LayerKV overlaps.
+        # LayerKV overlaps. D's request goes out first: P holds the prefill until D's
+        # registration is there, and D registers only once it has allocated the prompt's
+        # blocks, so D is the side that is usually later.
+        d_task = asyncio.create_task(self.upstream.post(
+            d, path, encode_json(decode_body(body, tid, host, port, client.first_token)),
+            headers, True))
         p_task = asyncio.create_task(self.upstream.post(
             p, path, encode_json(prefill_body(body, tid, client.chat, client.first_token)),
             headers, False))
         p_lease.end_with(p_task)
-        d_task = asyncio.create_task(self.upstream.post(
-            d, path, encode_json(decode_body(body, tid, host, port, client.first_token)),
-            headers, True))
         exchange_type = FirstTokenExchange if client.first_token else Exchange
         exchange = exchange_type(client, d, p_task, d_task, self.tracer, self.background)
         return await exchange.answer()

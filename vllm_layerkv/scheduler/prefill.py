@@ -369,6 +369,9 @@ class PrefillScheduler:
                                                   list(reg.data_endpoints))))
             return False, None
         p.finished = True
+        if self._tracer.enabled:  # vLLM has P's token: its answer leaves now
+            self._tracer.event("p_finished", transfer_id=transfer_id)
+            self._tracer.flush()
         params = self._answer(p)
         self._drain_incoming()
         if not complete:
