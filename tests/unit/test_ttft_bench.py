@@ -91,6 +91,19 @@ class FakeServer:
         self.stopped = True
 
 
+class NoWorker:
+    """In place of the ``vllm bench serve`` worker (BenchServe), for runs that bench nothing."""
+
+    def __init__(self, *args) -> None:
+        pass
+
+    def start(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def test_a_proxy_that_fails_to_start_takes_its_servers_down(tmp_path) -> None:
     import sys
 
@@ -111,16 +124,6 @@ def test_a_configuration_that_does_not_start_is_recorded_and_the_next_one_runs(
     import sys
 
     from vllm_layerkv.testing.servers import ServerError
-
-    class NoWorker:
-        def __init__(self, *args) -> None:
-            pass
-
-        def start(self) -> None:
-            pass
-
-        def close(self) -> None:
-            pass
 
     def bring_up(deployment, config, args):
         if config.name == "single":
@@ -934,16 +937,6 @@ def test_fractional_rates_need_the_single_instance_which_then_runs_first(
 
     ran = []
 
-    class NoWorker:
-        def __init__(self, *args) -> None:
-            pass
-
-        def start(self) -> None:
-            pass
-
-        def close(self) -> None:
-            pass
-
     def run_config(config, args, runner, identity, res, save, capacity):
         ran.append(config.name)
         return True
@@ -1031,16 +1024,6 @@ def test_starts_run_the_configurations_in_turn_and_report_the_median_over_starts
 
     ran = []
     medians = {"single": [100.0, 120.0, 110.0], "layerkv": [115.0, 114.0, 116.0]}
-
-    class NoWorker:
-        def __init__(self, *args) -> None:
-            pass
-
-        def start(self) -> None:
-            pass
-
-        def close(self) -> None:
-            pass
 
     def run_config(config, args, runner, identity, res, save, capacity):
         ran.append((config.name, args.out.name, args.identity, list(args.load)))
