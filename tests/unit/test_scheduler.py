@@ -1067,7 +1067,7 @@ def test_a_busy_prefill_instance_does_not_wait_in_its_pass(engines, monkeypatch)
     pass is not spent again in the same pass."""
     from vllm_layerkv.scheduler import prefill
 
-    monkeypatch.setattr(prefill, "ADMISSION_WAIT_S", 0.5)
+    monkeypatch.setattr(prefill, "ADMISSION_WAIT_S", 1.0)
     p = engines("kv_producer", {**P_EXTRA, "registration_wait_s": 30, "idle_backoff": "off"},
                 max_num_batched_tokens=CHUNK)
     d = engines("kv_consumer")
@@ -1085,11 +1085,11 @@ def test_a_busy_prefill_instance_does_not_wait_in_its_pass(engines, monkeypatch)
     t0 = time.monotonic()
     rec = p.step()
     assert rec.num_scheduled == {long_p.request_id: CHUNK}  # the late ones are deferred
-    assert time.monotonic() - t0 < 0.4, "a busy P waited in its pass"
+    assert time.monotonic() - t0 < 0.8, "a busy P waited in its pass"
     p.run_until(lambda: long_p.request_id in p.finished, others=(d,))
     t0 = time.monotonic()
     assert p.step().num_scheduled == {}  # idle now: one budget for both deferred requests
-    assert 0.45 < time.monotonic() - t0 < 0.9
+    assert 0.95 < time.monotonic() - t0 < 1.8
     for r in late:
         p.scheduler.finish_requests(r.request_id, RequestStatus.FINISHED_ABORTED)
     run_both_until_idle(p, d)
