@@ -1063,8 +1063,9 @@ def test_idle_prefill_is_admitted_in_the_pass_its_registration_arrives(engines, 
 
 def test_a_busy_prefill_instance_does_not_wait_in_its_pass(engines, monkeypatch) -> None:
     """While P runs a prefill, a new request without its registration is deferred at once: a
-    wait in the pass would hold the running prefill's next chunk up. A budget spent by the
-    pass is not spent again in the same pass."""
+    wait in the pass would hold the running prefill's next chunk up. The pass here has token
+    budget left after the running prefill's last chunk, so vLLM asks about the new requests.
+    Once P is idle, one budget serves every deferred request of a pass."""
     from vllm_layerkv.scheduler import prefill
 
     monkeypatch.setattr(prefill, "ADMISSION_WAIT_S", 1.0)
@@ -1077,16 +1078,22 @@ def test_a_busy_prefill_instance_does_not_wait_in_its_pass(engines, monkeypatch)
     d.step()
     wait_registration_arrived(p)
     p.scheduler.add_request(long_p)
-    assert p.step().num_scheduled == {long_p.request_id: CHUNK}  # first chunk; P is busy now
-    late = [create_request(40, {"do_remote_decode": True, "transfer_id": f"late{i}"}, seed=i)
+    for _ in range(2):  # chunks of 56 and 56 tokens; 38 are left
+        assert p.step().num_scheduled == {long_p.request_id: CHUNK}
+    late = [create_request(8, {"do_remote_decode": True, "transfer_id": f"late{i}"}, seed=i)
             for i in range(2)]
     for r in late:
         p.scheduler.add_request(r)
+    asked = []
+    original = p.connector._scheduler._prefill.should_defer
+    monkeypatch.setattr(p.connector._scheduler._prefill, "should_defer",
+                        lambda req_id, params: asked.append(req_id) or original(req_id, params))
     t0 = time.monotonic()
     rec = p.step()
-    assert rec.num_scheduled == {long_p.request_id: CHUNK}  # the late ones are deferred
+    assert rec.num_scheduled == {long_p.request_id: 150 - 2 * CHUNK}  # the late ones deferred
+    assert asked == [r.request_id for r in late]
     assert time.monotonic() - t0 < 0.8, "a busy P waited in its pass"
-    p.run_until(lambda: long_p.request_id in p.finished, others=(d,))
+    assert long_p.request_id in p.finished
     t0 = time.monotonic()
     assert p.step().num_scheduled == {}  # idle now: one budget for both deferred requests
     assert 0.95 < time.monotonic() - t0 < 1.8
