@@ -12,6 +12,9 @@ identity of each P/D configuration against the single instance (and the single i
 against itself first). Writes one JSON per bench run (and its output, ``<point>.stdout``) plus
 ``summary.json`` (medians per configuration and length, rate points, the ideal TTFT over the
 link); ``benchmarks/plot_results.py`` and ``benchmarks/plot_link_rates.py`` draw the plots.
+With ``--starts N`` every configuration is started N times, the configurations in turn (the
+c=1 points only after the first start), and each c=1 point is also reported as the median over
+the starts (``c1_over_starts``): one start's median moves with the start.
 
 Configurations (``--configs``):
   single       one instance (GPU 0 / CPU cores 0-1)
