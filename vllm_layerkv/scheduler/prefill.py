@@ -249,13 +249,11 @@ class PrefillScheduler:
         if params.sequential or self._late_registrations >= LATE_REGISTRATION_STREAK:
             return False  # D registers only after this prefill's answer
         self._drain_incoming()
-        now = time.monotonic()
-        first = self._first_seen.setdefault(req_id, now)
+        first = self._first_seen.setdefault(req_id, time.monotonic())
         if self._registered(params.transfer_id, until=first + wait):
             self._first_seen.pop(req_id, None)
             return False
-        now = time.monotonic()
-        if now - first < wait:
+        if time.monotonic() - first < wait:
             return True
         self._first_seen.pop(req_id, None)
         logger.info("transfer %s: no decode registration after registration_wait_s=%.2f s; "
