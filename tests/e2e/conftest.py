@@ -20,6 +20,7 @@ import pytest
 from clusters import HYBRID_FILE, MLA_FILE, shared_cluster, stop_clusters_started_early
 
 from vllm_layerkv.testing.cluster import PDCluster, wait_idle
+from vllm_layerkv.testing.failure_logs import failure_report
 from vllm_layerkv.testing.servers import VllmServer, get_text
 
 E2E_DIR = Path(__file__).resolve().parent
@@ -46,6 +47,33 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                                        rank[item.path]))
     for i, item in zip(slots, ordered):
         items[i] = item
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failed test's report also shows what its servers logged (warnings, errors, the last
+    lines): CI keeps no server logs, and an HTTP 500 from the proxy says nothing by itself."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and report.when in ("setup", "call"):
+        text = failure_report(_log_folders(item))
+        if text:
+            report.sections.append(("server logs (warnings, errors, last lines)", text))
+
+
+def _log_folders(item: pytest.Item) -> list[Path]:
+    """The folders of the servers the test's fixtures hold: a PDCluster (also as a fixture's
+    ``pd`` or in a tuple) or a single server."""
+    folders = []
+    values = list(getattr(item, "funcargs", {}).values())
+    values += [v for value in values if isinstance(value, tuple) for v in value]
+    for value in values:
+        pd = value if isinstance(value, PDCluster) else getattr(value, "pd", None)
+        if isinstance(pd, PDCluster):
+            folders.append(pd.spec.workdir)
+        elif isinstance(value, VllmServer):
+            folders.append(value.log_path.parent)
+    return folders
 
 
 @pytest.fixture(scope="session", autouse=True)
