@@ -23,8 +23,8 @@ START_UP_NOISE = re.compile(
 
 
 def notable_lines(lines: Iterable[str], max_notable: int = 30, last: int = 10) -> list[str]:
-    """The last ``max_notable`` notable lines (start-up noise left out), then the last ``last``
-    lines that are not among them, in log order."""
+    """The last ``max_notable`` notable lines (start-up noise left out) and the last ``last``
+    lines of all, each line once, in log order."""
     notable: collections.deque[tuple[int, str]] = collections.deque(maxlen=max_notable)
     tail: collections.deque[tuple[int, str]] = collections.deque(maxlen=last)
     for n, line in enumerate(lines):
