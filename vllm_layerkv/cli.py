@@ -2,6 +2,7 @@
 
     vllm-layerkv proxy --prefill URL [URL ...] --decode URL [URL ...] --port N
                        [--host 127.0.0.1] [--timeout S] [--routing POLICY] [--log-level LEVEL]
+                       [--event-loop auto|uvloop|asyncio]
                        [--api-key KEY [KEY ...]] [--admin-key KEY] [limits: docs/proxy.md]
 
 To add a subcommand: write ``_add_<name>(subparsers, common)`` that registers its arguments and
@@ -73,6 +74,11 @@ def _add_proxy(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
                    help="how each request picks its prefill and its decode instance: "
                         "least-loaded (the fewest requests in flight, ties in turn; default) or "
                         "round-robin")
+    from vllm_layerkv.proxy.event_loop import EVENT_LOOPS
+
+    p.add_argument("--event-loop", choices=EVENT_LOOPS, default="auto",
+                   help="the proxy's event loop: uvloop, asyncio's own, or auto (default): "
+                        "uvloop where it is installed, as vLLM's API server does")
     from vllm_layerkv.proxy.config import ProxyConfig
 
     limits = ProxyConfig()

@@ -22,6 +22,7 @@ from vllm_layerkv.proxy.body_reader import too_large
 from vllm_layerkv.proxy.config import ProxyConfig
 from vllm_layerkv.proxy.discovery import Discovery
 from vllm_layerkv.proxy.errors import Refused, UpstreamError, error_response
+from vllm_layerkv.proxy.event_loop import loop_factory
 from vllm_layerkv.proxy.health import Health
 from vllm_layerkv.proxy.orchestration import Orchestrator
 from vllm_layerkv.proxy.routing import Router, Routers
@@ -187,13 +188,14 @@ def run_proxy(args: Any) -> None:
     with a message naming the option."""
     try:
         app = build_app(args.prefill, args.decode, config_from_args(args))
+        loop_name, new_loop = loop_factory(getattr(args, "event_loop", "auto"))
     except ValueError as e:
         raise SystemExit(f"vllm-layerkv proxy: {e}") from None
     proxy = app[PROXY_KEY]
     config = proxy.config
-    logger.info("LayerKV proxy on http://%s:%d  prefill: %s  decode: %s  routing: %s", args.host,
-                args.port, " ".join(b.url for b in proxy.prefill.items),
-                " ".join(b.url for b in proxy.decode.items), proxy.prefill.policy)
+    logger.info("LayerKV proxy on http://%s:%d  prefill: %s  decode: %s  routing: %s  event "
+                "loop: %s", args.host, args.port, " ".join(b.url for b in proxy.prefill.items),
+                " ".join(b.url for b in proxy.decode.items), proxy.prefill.policy, loop_name)
     logger.info("client keys: %s; admin key: %s; backend key (own requests only): %s; "
                 "limits: body %d bytes, %d concurrent requests, head %g s, body %g s, JSON "
                 "depth %d", "on" if config.api_keys else "off",
@@ -205,5 +207,6 @@ def run_proxy(args: Any) -> None:
         logger.warning("serving %s without --api-key: anyone who reaches the proxy can send "
                        "requests to the backends", args.host)
     raise_open_file_limit(config.max_concurrent_requests)
-    asyncio.run(serve_until_signalled(app, proxy.heads, args.host, args.port,
-                                      config.max_concurrent_requests))
+    with asyncio.Runner(loop_factory=new_loop) as runner:
+        runner.run(serve_until_signalled(app, proxy.heads, args.host, args.port,
+                                         config.max_concurrent_requests))
