@@ -5,6 +5,8 @@ reads it while it sends nothing itself."""
 from __future__ import annotations
 
 import queue
+import socket
+import time
 
 import pytest
 from kv_sides import compat
@@ -78,10 +80,50 @@ def test_a_dropped_connection_is_reopened_for_the_next_registration(pd) -> None:
     server, got, client = pd
     client.send(server.endpoint, register("t1"))
     assert client.replies.get(timeout=5).transfer_id == "t1"
-    ((conn, _),) = client._conns.values()  # noqa: SLF001 - the cached connection, cut by hand
-    conn.close()
+    (conn,) = client._conns.values()  # noqa: SLF001 - the cached connection, cut by hand
+    conn.sock.close()
     client.send(server.endpoint, register("t2"))
     assert client.replies.get(timeout=5) == RegisterAck(transfer_id="t2", tp_size=1)
+
+
+def test_a_registration_on_an_open_connection_goes_out_from_the_callers_thread(pd) -> None:
+    """P holds the prefill until the registration is there, so D's scheduler writes it on an
+    open connection itself rather than wait for the client's thread: here that thread is stuck
+    in a handshake with a listener that never answers, and P still gets the registration at
+    once; its answer comes once the thread is free."""
+    server, got, client = pd
+    client.send(server.endpoint, register("t1"))
+    assert client.replies.get(timeout=5).transfer_id == "t1"
+    assert got.get(timeout=1).transfer_id == "t1"
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        host, port = silent.getsockname()
+        client.send(f"{host}:{port}", Cancel(transfer_id="elsewhere", reason="x"))
+        time.sleep(0.2)  # the thread is in the handshake now, for connect_timeout (2 s)
+        start = time.monotonic()
+        client.send(server.endpoint, register("t2"))
+        assert got.get(timeout=1).transfer_id == "t2"
+        assert time.monotonic() - start < 1.0
+        with pytest.raises(queue.Empty):
+            client.replies.get(timeout=0.2)  # the answer waits for the thread
+    # the listener closes: the Cancel is refused (it never reached a P), then t2's answer
+    assert isinstance(client.replies.get(timeout=5), Refused)
+    assert client.replies.get(timeout=5) == RegisterAck(transfer_id="t2", tp_size=1)
+
+
+def test_answers_are_matched_to_their_messages_by_transfer_id(pd) -> None:
+    """A registration the scheduler thread wrote can overtake one the client's thread was about
+    to send, and P answers in the order it read them."""
+    server, got, client = pd
+    client.send(server.endpoint, register("t1"))
+    assert client.replies.get(timeout=5).transfer_id == "t1"
+    (conn,) = client._conns.values()  # noqa: SLF001 - answers fed in by hand
+    conn.answers.put(RegisterAck(transfer_id="later", tp_size=1))
+    conn.answers.put(RegisterAck(transfer_id="first", tp_size=1))
+    assert client._answer(conn, "first").transfer_id == "first"  # noqa: SLF001
+    assert client._answer(conn, "later").transfer_id == "later"  # noqa: SLF001
+    assert not conn.early
 
 
 def test_a_pushed_token_survives_the_transfer_being_forgotten_right_after(pd) -> None:

@@ -12,20 +12,29 @@
   ``push`` sends a ``FirstToken`` unasked on the connection that registered its transfer, from
   a thread of its own.
 * ``RegistrationClient`` (D scheduler process): one thread that sends queued messages over
-  persistent, authenticated connections (one per P endpoint), and one reader per connection
-  that queues whatever P sends (answers, first tokens) for the scheduler thread.
+  persistent, authenticated connections (one per P endpoint) and awaits their answers, and one
+  reader per connection that queues whatever P sends (answers, first tokens) for the
+  scheduler thread.
 
-None of them ever runs on the scheduler's own thread: a slow or dead peer cannot stall
-scheduling.
+Connecting, authenticating, waiting for an answer and reading never run on the scheduler's own
+thread: a slow or dead peer cannot stall scheduling. The one exception is the write of a
+``Register`` on a connection that is already open: the scheduler thread writes it itself,
+without blocking (``MSG_DONTWAIT``; anything it cannot write at once goes through the thread).
+P holds the request's prefill until the registration is there, and handing it to the thread
+first cost a wait for the GIL, which D's engine loop holds while it steps (0.4-0.9 ms on an
+H200 host). Such a write can overtake a message the thread is about to send, so answers are
+matched to their messages by transfer id, not by order.
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import socket
 import threading
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from vllm_layerkv.common.log import init_logger
 from vllm_layerkv.common.threads import start_thread
@@ -224,6 +233,19 @@ class RegistrationServer:
         self._on_cancel(msg)
 
 
+@dataclass(eq=False)
+class _PrefillConnection:
+    """D's open connection to one P endpoint."""
+
+    sock: socket.socket
+    answers: queue.SimpleQueue
+    """What its reader hands to ``_exchange``: P's answers, or the error that ended it."""
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    """Held for every write: the thread's, and the scheduler thread's ``send_now``."""
+    early: dict[str, Message] = field(default_factory=dict)
+    """Answers read while the thread awaited another one (by transfer id)."""
+
+
 class RegistrationClient:
     """Sends Register/Cancel to prefill schedulers; what P sends back (answers, first tokens)
     comes through ``replies``. A prefill instance named by its bootstrap endpoint is looked up
@@ -235,26 +257,53 @@ class RegistrationClient:
         self._connect_timeout = connect_timeout
         self._io_timeout = io_timeout
         self._auth = auth or ChannelAuth()
-        self._outbox: queue.SimpleQueue[tuple[PrefillAddress, Message] | None] = (
-            queue.SimpleQueue())
+        self._outbox: queue.SimpleQueue[_Outgoing | None] = queue.SimpleQueue()
         self._resolved: dict[BootstrapAddress, str] = {}
         self.replies: queue.SimpleQueue[RegisterAck | Refused | FirstToken] = queue.SimpleQueue()
-        self._conns: dict[str, tuple[socket.socket, queue.SimpleQueue]] = {}
-        """endpoint -> (connection, the answers its reader hands to ``_exchange``)."""
+        self._conns: dict[str, _PrefillConnection] = {}
         self._thread = start_thread(self._run, "layerkv-register-client")
 
     def send(self, address: PrefillAddress, msg: Message) -> None:
-        self._outbox.put((address, msg))
+        """Send ``msg``; its answer comes through ``replies``. A Register on an open connection
+        is written at once, from the caller's thread (see the module docstring)."""
+        sent_on = self._send_now(address, msg) if isinstance(msg, Register) else None
+        self._outbox.put(_Outgoing(address, msg, sent_on))
 
     def close(self) -> None:
         self._outbox.put(None)
+
+    def _send_now(self, address: PrefillAddress, msg: Message) -> _PrefillConnection | None:
+        """Write ``msg`` on the open connection to ``address`` if that can be done at once,
+        whole; returns the connection it went out on, or None (the thread sends it)."""
+        endpoint = address if isinstance(address, str) else self._resolved.get(address)
+        conn = self._conns.get(endpoint) if endpoint is not None else None
+        if conn is None or not conn.lock.acquire(blocking=False):
+            return None
+        try:
+            data = framing.encode(msg)
+            try:
+                written = conn.sock.send(data, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                return None
+            except OSError:
+                return None  # broken: the thread finds out, reconnects and sends it
+            if written == len(data):
+                return conn
+            if written:
+                # part of a frame is out and P is not reading: the connection is useless now;
+                # the thread reconnects and sends the message again
+                with contextlib.suppress(OSError):
+                    conn.sock.shutdown(socket.SHUT_RDWR)
+            return None
+        finally:
+            conn.lock.release()
 
     def _run(self) -> None:
         while True:
             entry = self._outbox.get()
             if entry is None:
                 break
-            address, msg = entry
+            address, msg = entry.address, entry.msg
             try:
                 endpoint = self._endpoint(address)
             except BootstrapError as e:
@@ -262,7 +311,7 @@ class RegistrationClient:
                                          reason=str(e)))
                 continue
             try:
-                reply = self._exchange(endpoint, msg)
+                reply = self._exchange(endpoint, msg, entry.sent_on)
             except (OSError, framing.PeerClosed, ValueError) as e:
                 self._drop(endpoint)
                 if isinstance(address, BootstrapAddress):
@@ -286,41 +335,58 @@ class RegistrationClient:
             self._resolved[address] = endpoint
         return endpoint
 
-    def _exchange(self, endpoint: str, msg: Message) -> Message | None:
+    def _exchange(self, endpoint: str, msg: Message,
+                  sent_on: _PrefillConnection | None) -> Message | None:
+        """Send ``msg`` (unless the scheduler thread already wrote it on ``sent_on``, still
+        the open connection) and await its answer."""
         for attempt in (0, 1):  # a cached connection may have gone stale: retry once fresh
-            conn, answers = self._connection(endpoint)
+            conn = self._connection(endpoint)
             try:
-                framing.send_message(conn, msg)
+                if conn is not sent_on or attempt:
+                    with conn.lock:
+                        framing.send_message(conn.sock, msg)
                 if isinstance(msg, Cancel):
                     return None
-                try:
-                    answer = answers.get(timeout=self._io_timeout)
-                except queue.Empty:
-                    raise TimeoutError(f"no answer within io_timeout_s={self._io_timeout:.0f} "
-                                       "s") from None
-                if isinstance(answer, Exception):
-                    raise answer
-                return answer
+                return self._answer(conn, msg.transfer_id)  # type: ignore[attr-defined]
             except (OSError, framing.PeerClosed):
                 self._drop(endpoint)
                 if attempt:
                     raise
         return None
 
-    def _connection(self, endpoint: str) -> tuple[socket.socket, queue.SimpleQueue]:
-        entry = self._conns.get(endpoint)
-        if entry is None:
-            conn = framing.connect(endpoint, self._connect_timeout)
+    def _answer(self, conn: _PrefillConnection, transfer_id: str) -> Message:
+        """P's answer for ``transfer_id`` on ``conn``, within io_timeout. P answers in the order
+        the messages reached it, which need not be the order they were queued in here."""
+        if transfer_id in conn.early:
+            return conn.early.pop(transfer_id)
+        deadline = time.monotonic() + self._io_timeout
+        while True:
             try:
-                connect_handshake(conn, self._auth, self._connect_timeout)
+                answer = conn.answers.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError(f"no answer within io_timeout_s={self._io_timeout:.0f} "
+                                   "s") from None
+            if isinstance(answer, Exception):
+                raise answer
+            if answer.transfer_id == transfer_id:
+                return answer
+            conn.early[answer.transfer_id] = answer
+
+    def _connection(self, endpoint: str) -> _PrefillConnection:
+        conn = self._conns.get(endpoint)
+        if conn is None:
+            sock = framing.connect(endpoint, self._connect_timeout)
+            try:
+                connect_handshake(sock, self._auth, self._connect_timeout)
             except BaseException:
-                conn.close()
+                sock.close()
                 raise
-            conn.settimeout(None)  # the reader blocks; answers are awaited with io_timeout
-            entry = (conn, queue.SimpleQueue())
-            self._conns[endpoint] = entry
-            start_thread(self._read, "layerkv-register-reader", endpoint, *entry)
-        return entry
+            sock.settimeout(None)  # the reader blocks; answers are awaited with io_timeout
+            conn = _PrefillConnection(sock, queue.SimpleQueue())
+            self._conns[endpoint] = conn
+            start_thread(self._read, "layerkv-register-reader", endpoint, conn.sock,
+                         conn.answers)
+        return conn
 
     def _read(self, endpoint: str, conn: socket.socket, answers: queue.SimpleQueue) -> None:
         """Everything P sends on one connection: first tokens go straight to the scheduler,
@@ -339,10 +405,20 @@ class RegistrationClient:
             answers.put(OSError(f"undecodable answer: {e}"))
 
     def _drop(self, endpoint: str) -> None:
-        entry = self._conns.pop(endpoint, None)
-        if entry is not None:
+        conn = self._conns.pop(endpoint, None)
+        if conn is not None:
             try:
-                entry[0].shutdown(socket.SHUT_RDWR)  # wakes its reader
+                conn.sock.shutdown(socket.SHUT_RDWR)  # wakes its reader
             except OSError:
                 pass
-            entry[0].close()
+            conn.sock.close()
+
+
+@dataclass(frozen=True)
+class _Outgoing:
+    """A message for the client's thread."""
+
+    address: PrefillAddress
+    msg: Message
+    sent_on: _PrefillConnection | None
+    """The connection the scheduler thread already wrote it on (None: not written)."""
