@@ -35,6 +35,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from vllm_layerkv.proxy.event_loop import loop_factory
+
 MODEL = "fake-model"
 WORDS = ("alpha", "bravo", "delta", "kilo", "lima", "oscar", "sierra", "tango", "whisky")
 
@@ -83,21 +85,17 @@ def serve_fakes(ports: list[int]) -> None:
             await web.TCPSite(runner, "127.0.0.1", port).start()
         await asyncio.Event().wait()
 
-    try:
-        import uvloop
-        factory = uvloop.new_event_loop
-    except ImportError:
-        factory = None
+    _, factory = loop_factory("auto")
     with asyncio.Runner(loop_factory=factory) as runner:
         runner.run(main())
 
 
 # ---- the client ----
 
-async def ttft_once(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> float:
+async def ttft_once(client: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> float:
     start = time.perf_counter()
     first = None
-    async with session.post(url + "/v1/completions", json=body) as resp:
+    async with client.post(url + "/v1/completions", json=body) as resp:
         if resp.status != 200:
             raise RuntimeError(f"{url} answered HTTP {resp.status}: {await resp.text()}")
         async for line in resp.content:
@@ -111,18 +109,18 @@ async def ttft_once(session: aiohttp.ClientSession, url: str, body: dict[str, An
 async def measure(url: str, prompt: str, requests: int, warmup: int, tokens: int
                   ) -> list[float]:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": tokens, "stream": True}
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession() as client:
         for _ in range(warmup):
-            await ttft_once(session, url, body)
-        return [await ttft_once(session, url, body) for _ in range(requests)]
+            await ttft_once(client, url, body)
+        return [await ttft_once(client, url, body) for _ in range(requests)]
 
 
 async def wait_healthy(url: str, timeout: float) -> None:
     end = time.monotonic() + timeout
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession() as client:
         while time.monotonic() < end:
             try:
-                async with session.get(url + "/health") as resp:
+                async with client.get(url + "/health") as resp:
                     if resp.status == 200:
                         return
             except aiohttp.ClientError:
