@@ -37,6 +37,17 @@ reg_wait, a part that had happened before the one above it counts 0):
                 thread's wait for the GIL)
   reg_pickup    -> P admits the request (P's scheduler drains it at its next step)
 
+Where vLLM records when a request entered it (``p_seen`` and D's ``d_seen`` carry its
+``arrival_time`` and the engine core's QUEUED event, ``compat.intake_marks``), each side's way
+from the proxy to its scheduler is split (``INTAKE_PARTS``):
+
+  p_api         proxy in -> P's API server has made the request (HTTP body, tokenization,
+                input processing: vLLM's arrival_time)
+  p_core        -> P's engine core has queued it
+  p_pick        -> P's scheduler first sees it (p_seen)
+  d_api, d_core, d_pick   the same on D (d_seen)
+  d_alloc       -> D's scheduler sends its registration (D allocated the prompt's blocks)
+
 With D's scheduler trace (``trace.dsched.0``, written since the decode scheduler traces too),
 d_first is split further (``D_PARTS``; their sum is d_first):
 
@@ -92,6 +103,7 @@ REG_PARTS = ("reg_from_d", "reg_in", "reg_pickup")
 FT_PARTS = ("p_answer", "ft_total")
 ANSWER_PARTS = ("p_to_engine", "p_frontend")
 GPU_PARTS = ("p_gpu", "send_wait")
+INTAKE_PARTS = ("p_api", "p_core", "p_pick", "d_api", "d_core", "d_pick", "d_alloc")
 
 
 def read_events(path: Path) -> list[dict[str, Any]]:
@@ -139,9 +151,15 @@ def request_breakdowns(trace_dir: Path) -> list[dict[str, Any]]:
                 d_marks[req_id].setdefault(e["ev"], e["t"])
 
     p_marks: dict[str, dict[str, float]] = defaultdict(dict)
+    intake: dict[str, dict[str, float]] = defaultdict(dict)
     for e in read_events(trace_dir / "trace.psched.0") + read_events(trace_dir / "trace.dsched.0"):
         if e["ev"] in (*P_MARKS, "reg_arrived", "d_registering", "p_finished"):
             p_marks[e["transfer_id"]].setdefault(e["ev"], e["t"])
+        if e["ev"] in ("p_seen", "d_seen") and e.get("transfer_id"):
+            side = intake[e["transfer_id"]]
+            for mark in ("arrival", "queued", "t"):
+                if mark in e:
+                    side.setdefault(f"{e['ev'][0]}_{mark}", e[mark])
 
     proxy_t: dict[str, dict[str, float]] = defaultdict(dict)
     for e in proxy:
@@ -200,6 +218,8 @@ def request_breakdowns(trace_dir: Path) -> list[dict[str, Any]]:
                     reg.append(max(reg[-1], t))
                 for name, a, b in zip(REG_PARTS, reg, reg[1:]):
                     row[name] = round((b - a) * 1000, 2)
+        row.update(intake_parts(pt["proxy_in"], intake.get(tid, {}),
+                                p_marks.get(tid, {}).get("d_registering")))
         dm = d_marks.get(req_id, {})
         if all(m in dm for m in D_MARKS):
             d = [handed_over]
@@ -211,6 +231,22 @@ def request_breakdowns(trace_dir: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def intake_parts(proxy_in: float, marks: dict[str, float], registering: float | None
+                 ) -> dict[str, float]:
+    """``INTAKE_PARTS`` of one request, each side's only where vLLM recorded both of its
+    marks."""
+    parts: dict[str, float] = {}
+    for side in ("p", "d"):
+        names = [f"{side}_arrival", f"{side}_queued", f"{side}_t"]
+        if all(n in marks for n in names):
+            ts = [proxy_in, *(marks[n] for n in names)]
+            for name, a, b in zip(("api", "core", "pick"), ts, ts[1:]):
+                parts[f"{side}_{name}"] = round((b - a) * 1000, 2)
+    if "d_pick" in parts and registering is not None:
+        parts["d_alloc"] = round((registering - marks["d_t"]) * 1000, 2)
+    return parts
+
+
 def medians_by_length(rows: list[dict[str, Any]]) -> dict[int, dict[str, float]]:
     """Median of each segment per prompt length (P's computed tokens rounded to 256)."""
     by_len: dict[int, list[dict[str, Any]]] = defaultdict(list)
@@ -219,7 +255,8 @@ def medians_by_length(rows: list[dict[str, Any]]) -> dict[int, dict[str, float]]
     out = {}
     for n, rs in sorted(by_len.items()):
         keys = [*SEGMENTS, "total"]
-        for parts in (GPU_PARTS, P_PARTS, REG_PARTS, D_PARTS, FT_PARTS, ANSWER_PARTS):
+        for parts in (GPU_PARTS, P_PARTS, REG_PARTS, INTAKE_PARTS, D_PARTS, FT_PARTS,
+                      ANSWER_PARTS):
             if all(k in r for r in rs for k in parts):
                 keys += parts
         out[n] = {"requests": len(rs), **{k: round(statistics.median(r[k] for r in rs), 2)
@@ -229,7 +266,7 @@ def medians_by_length(rows: list[dict[str, Any]]) -> dict[int, dict[str, float]]
 
 def format_table(medians: dict[int, dict[str, float]]) -> str:
     cols: tuple[str, ...] = ("requests", *SEGMENTS, "total")
-    for parts in (GPU_PARTS, P_PARTS, REG_PARTS, D_PARTS, FT_PARTS, ANSWER_PARTS):
+    for parts in (GPU_PARTS, P_PARTS, REG_PARTS, INTAKE_PARTS, D_PARTS, FT_PARTS, ANSWER_PARTS):
         if medians and all(k in m for m in medians.values() for k in parts):
             cols += parts
     lines = ["| prompt tokens (P computed) | " + " | ".join(cols) + " |",

@@ -11,6 +11,7 @@ whatever differs between versions, is private, or has to be probed is read here.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
@@ -269,6 +270,23 @@ def append_prompt_token(request: Request, token_id: int) -> bool:
     return True
 
 
+def intake_marks(request: Request) -> dict[str, float]:
+    """When a request entered vLLM, on the host's monotonic clock (the traces' clock), for the
+    TTFT profile: ``arrival`` is vLLM's ``arrival_time`` (wall clock, stamped by the API
+    server's input processing) moved onto the monotonic clock, ``queued`` the engine core's
+    QUEUED event (recorded only with vLLM's log stats on). A mark vLLM did not record is left
+    out."""
+    marks: dict[str, float] = {}
+    arrival = getattr(request, "arrival_time", None)
+    if isinstance(arrival, (int, float)):
+        marks["arrival"] = arrival - time.time() + time.monotonic()
+    for event in getattr(request, "events", None) or ():
+        if getattr(getattr(event, "type", None), "name", "") == "QUEUED":
+            marks["queued"] = float(event.timestamp)
+            break
+    return marks
+
+
 __all__ = [
     "KVConnectorBase_V1",
     "KVConnectorHandshakeMetadata",
@@ -296,4 +314,5 @@ __all__ = [
     "device_type",
     "truncate_prompt",
     "append_prompt_token",
+    "intake_marks",
 ]

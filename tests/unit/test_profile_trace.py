@@ -121,13 +121,43 @@ def test_the_first_token_from_p_is_timed_from_p_s_last_group_to_the_proxy(
     assert "p_answer" not in plain
 
 
+def test_intake_marks_split_each_side_s_way_to_its_scheduler(tmp_path: Path) -> None:
+    """P's API server made the request 4 ms after the proxy had it, its engine core queued it
+    1 ms later and its scheduler saw it 5 ms after that (p_seen, 10.010); D's 6 + 1 + 2 ms to
+    d_seen (10.009), and 2 ms more to its registration (10.011)."""
+    traces(tmp_path, schedulers=True)
+    psched = tmp_path / "trace.psched.0"
+    events = [json.loads(line) for line in psched.read_text().splitlines()]
+    events[0].update(arrival=10.004, queued=10.005)
+    write(psched, events)
+    dsched = tmp_path / "trace.dsched.0"
+    events = [json.loads(line) for line in dsched.read_text().splitlines()]
+    events.insert(0, {"ev": "d_seen", "transfer_id": TID, "arrival": 10.006, "queued": 10.007,
+                      "t": 10.009})
+    write(dsched, events)
+    [row] = profile_trace.request_breakdowns(tmp_path)
+    expected = {"p_api": 4.0, "p_core": 1.0, "p_pick": 5.0,
+                "d_api": 6.0, "d_core": 1.0, "d_pick": 2.0, "d_alloc": 2.0}
+    for key, ms in expected.items():
+        assert row[key] == pytest.approx(ms, abs=0.01), key
+    assert row["p_api"] + row["p_core"] + row["p_pick"] == pytest.approx(row["p_intake"])
+    table = profile_trace.format_table(profile_trace.medians_by_length([row]))
+    assert "d_alloc" in table
+    # vLLM without log stats records no QUEUED event: no intake parts, the rest unchanged
+    events[0].pop("queued")
+    write(dsched, events)
+    [row] = profile_trace.request_breakdowns(tmp_path)
+    assert "p_api" in row and not any(k in row for k in ("d_api", "d_pick", "d_alloc"))
+    assert "p_api" not in profile_trace.format_table(profile_trace.medians_by_length([row]))
+
+
 def test_without_scheduler_traces_only_the_segments(tmp_path: Path) -> None:
     """Traces from before the schedulers traced (or a D rank without them): no parts, and the
     table keeps its old columns."""
     [row] = profile_trace.request_breakdowns(traces(tmp_path, schedulers=False))
     assert row["d_first"] == pytest.approx(45.0, abs=0.01)
     assert not any(k in row for k in (*profile_trace.P_PARTS, *profile_trace.REG_PARTS,
-                                      *profile_trace.D_PARTS))
+                                      *profile_trace.INTAKE_PARTS, *profile_trace.D_PARTS))
     table = profile_trace.format_table(profile_trace.medians_by_length([row]))
     assert "d_first" in table and "reg_wait" not in table and "d_seen" not in table
 

@@ -1251,6 +1251,27 @@ def test_prefill_announces_the_end_after_the_penultimate_group_of_the_last_chunk
     assert 0 <= eta < 5
 
 
+def test_both_schedulers_trace_when_a_request_entered_vllm(engines, tmp_path) -> None:
+    """The TTFT profile splits each side's intake: P's ``p_seen`` and D's ``d_seen`` carry
+    vLLM's arrival time (on the monotonic clock) and the engine core's QUEUED event, in that
+    order before the event itself."""
+    p = engines("kv_producer", {**P_EXTRA, "trace_path": str(tmp_path / "p")})
+    d = engines("kv_consumer", {"trace_path": str(tmp_path / "d")})
+    rd = create_request(150, decode_params("t-intake", p.endpoint), max_tokens=2, seed=4)
+    d.scheduler.add_request(rd)
+    d.step()
+    rp = create_request(150, {"do_remote_decode": True, "transfer_id": "t-intake"}, seed=4)
+    p.scheduler.add_request(rp)
+    p.run_until(lambda: rp.request_id in p.finished, others=(d,))
+    run_both_until_idle(p, d)
+    for path, ev in ((tmp_path / "p.psched.0", "p_seen"), (tmp_path / "d.dsched.0", "d_seen")):
+        events = [json.loads(line) for line in path.read_text().splitlines()]
+        [seen] = [e for e in events if e["ev"] == ev]
+        assert seen["transfer_id"] == "t-intake"
+        assert seen["arrival"] <= seen["queued"] <= seen["t"], seen
+        assert seen["t"] - seen["arrival"] < 60  # the same clock, not wall against monotonic
+
+
 # ----------------------------------------------------------------------------- first token
 
 

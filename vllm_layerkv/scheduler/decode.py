@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from vllm_layerkv.common.log import init_logger
 from vllm_layerkv.common.trace import Tracer
-from vllm_layerkv.compat import append_prompt_token, scheduled_req_ids
+from vllm_layerkv.compat import append_prompt_token, intake_marks, scheduled_req_ids
 from vllm_layerkv.config import LayerKVConfig
 from vllm_layerkv.kv.groups import NULL_BLOCK
 from vllm_layerkv.metadata import LayerKVMetadata
@@ -87,12 +87,16 @@ class DecodeScheduler:
         self._data_endpoints = endpoints
         logger.info("LayerKV decode data endpoints: %s", endpoints)
 
-    def num_matched_tokens(self, request: Request, num_computed_tokens: int
-                           ) -> tuple[int, bool]:
+    def num_matched_tokens(self, request: Request, num_computed_tokens: int,
+                           transfer_id: str | None = None) -> tuple[int, bool]:
+        """``transfer_id`` names the request in the trace (``d_seen``, with when it entered
+        vLLM)."""
         if request.request_id in self._admitted:
             # Asked again: D preempted the request after its KV arrived and freed the blocks.
             # P has long released the prompt's KV, so D recomputes it (prefix cache permitting).
             return 0, False
+        if self._tracer.enabled and request.request_id not in self._local_hits:
+            self._tracer.event("d_seen", transfer_id=transfer_id, **intake_marks(request))
         self._local_hits[request.request_id] = num_computed_tokens
         n = request.num_prompt_tokens - self._backoff - num_computed_tokens
         return (n, True) if n > 0 else (0, False)

@@ -237,13 +237,15 @@ class PrefillScheduler:
         return early[0]
 
     # ------------------------------------------------------------ scheduler thread
-    def should_defer(self, req_id: str, params: PrefillParams) -> bool:
+    def should_defer(self, req_id: str, params: PrefillParams,
+                     intake: dict[str, float] | None = None) -> bool:
         """Hold a new prefill back until D's registration is here (at most
         ``registration_wait_s``): only a registered request can stream its first chunk while it
-        is computed. D receives the request concurrently, so the wait is normally a few ms."""
+        is computed. D receives the request concurrently, so the wait is normally a few ms.
+        ``intake``: when the request entered vLLM (``compat.intake_marks``), traced with it."""
         wait = self._config.registration_wait_s
         if self._tracer.enabled and req_id not in self._by_req and req_id not in self._first_seen:
-            self._tracer.event("p_seen", transfer_id=params.transfer_id)
+            self._tracer.event("p_seen", transfer_id=params.transfer_id, **(intake or {}))
         if wait <= 0 or req_id in self._by_req:  # re-admitted after preemption: go on
             return False
         if params.sequential or self._late_registrations >= LATE_REGISTRATION_STREAK:

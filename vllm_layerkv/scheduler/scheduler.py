@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from vllm_layerkv.common.log import RateLimitedWarning, init_logger
-from vllm_layerkv.compat import device_type, kv_groups, truncate_prompt
+from vllm_layerkv.compat import device_type, intake_marks, kv_groups, truncate_prompt
 from vllm_layerkv.config import LayerKVConfig
 from vllm_layerkv.kv.groups import prefill_backoff
 from vllm_layerkv.kv.layout import compat_info
@@ -132,9 +132,11 @@ class LayerKVScheduler:
         params = self._params(request)
         if (isinstance(params, (DecodeParams, UnservedRemotePrefill))
                 and self._decode is not None):
-            return self._decode.num_matched_tokens(request, num_computed_tokens)
+            return self._decode.num_matched_tokens(request, num_computed_tokens,
+                                                   getattr(params, "transfer_id", None))
         if isinstance(params, PrefillParams) and self._prefill is not None:
-            if self._prefill.should_defer(request.request_id, params):
+            marks = intake_marks(request) if self._config.trace_path else None
+            if self._prefill.should_defer(request.request_id, params, marks):
                 return None, False  # vLLM skips the request this step and asks again
         return 0, False
 
