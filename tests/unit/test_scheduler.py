@@ -1087,7 +1087,8 @@ def test_a_busy_prefill_instance_does_not_wait_in_its_pass(engines, monkeypatch)
     asked = []
     original = p.connector._scheduler._prefill.should_defer
     monkeypatch.setattr(p.connector._scheduler._prefill, "should_defer",
-                        lambda req_id, params: asked.append(req_id) or original(req_id, params))
+                        lambda req_id, params, intake=None: asked.append(req_id)
+                        or original(req_id, params, intake))
     t0 = time.monotonic()
     rec = p.step()
     assert rec.num_scheduled == {long_p.request_id: 150 - 2 * CHUNK}  # the late ones deferred
