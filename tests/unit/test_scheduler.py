@@ -1223,6 +1223,17 @@ def test_early_release_off_waits_for_the_whole_transfer(engines, fake_prefill) -
     assert_all_empty(d)
 
 
+def transfer_one(p, d, tid: str, seed: int) -> None:
+    """One 150-token request through P and D, D's first (it registers), until both are idle."""
+    rd = create_request(150, decode_params(tid, p.endpoint), max_tokens=2, seed=seed)
+    d.scheduler.add_request(rd)
+    d.step()
+    rp = create_request(150, {"do_remote_decode": True, "transfer_id": tid}, seed=seed)
+    p.scheduler.add_request(rp)
+    p.run_until(lambda: rp.request_id in p.finished, others=(d,))
+    run_both_until_idle(p, d)
+
+
 def test_prefill_announces_the_end_after_the_penultimate_group_of_the_last_chunk(
         engines, tmp_path) -> None:
     """P's sender sends TransferNearlyDone once per transfer: in the last chunk's step, right
@@ -1231,13 +1242,7 @@ def test_prefill_announces_the_end_after_the_penultimate_group_of_the_last_chunk
     p = engines("kv_producer", {**P_EXTRA, "trace_path": str(trace)},
                 max_num_batched_tokens=CHUNK)
     d = engines("kv_consumer")
-    rd = create_request(150, decode_params("t-nearly", p.endpoint), max_tokens=2, seed=3)
-    d.scheduler.add_request(rd)
-    d.step()
-    rp = create_request(150, {"do_remote_decode": True, "transfer_id": "t-nearly"}, seed=3)
-    p.scheduler.add_request(rp)
-    p.run_until(lambda: rp.request_id in p.finished, others=(d,))
-    run_both_until_idle(p, d)
+    transfer_one(p, d, "t-nearly", seed=3)
 
     events = [json.loads(line) for line in (tmp_path / "trace.p.0").read_text().splitlines()]
     final_step = next(e["step"] for e in events
@@ -1258,13 +1263,7 @@ def test_both_schedulers_trace_when_a_request_entered_vllm(engines, tmp_path) ->
     order before the event itself."""
     p = engines("kv_producer", {**P_EXTRA, "trace_path": str(tmp_path / "p")})
     d = engines("kv_consumer", {"trace_path": str(tmp_path / "d")})
-    rd = create_request(150, decode_params("t-intake", p.endpoint), max_tokens=2, seed=4)
-    d.scheduler.add_request(rd)
-    d.step()
-    rp = create_request(150, {"do_remote_decode": True, "transfer_id": "t-intake"}, seed=4)
-    p.scheduler.add_request(rp)
-    p.run_until(lambda: rp.request_id in p.finished, others=(d,))
-    run_both_until_idle(p, d)
+    transfer_one(p, d, "t-intake", seed=4)
     for path, ev in ((tmp_path / "p.psched.0", "p_seen"), (tmp_path / "d.dsched.0", "d_seen")):
         events = [json.loads(line) for line in path.read_text().splitlines()]
         [seen] = [e for e in events if e["ev"] == ev]
