@@ -6,12 +6,17 @@
 Both sides build KV the same way (seeded), so D can check every byte P copied without P
 shipping anything else. The real Sender / RecvTable / TcpTransport run on each side; only the
 vLLM engine around them is absent.
+
+Optional spec keys for P: ``send``, the indices of the transfers this P sends (default all:
+several P processes may serve one D); ``die_after_groups``: send that many layer groups of
+them, then kill this process (SIGKILL, as a crash would) once the sender has sent them.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 
@@ -79,7 +84,10 @@ def run_d(spec: dict) -> None:
     expected = make_layout(spec, seed=1)  # P's KV, regenerated here
     mismatches = 0
     written = torch.zeros(spec["layers"], spec["blocks"], dtype=torch.bool)
-    for t in spec["transfers"]:
+    for i, t in enumerate(spec["transfers"]):
+        if f"req-{i}" in failed:  # whatever arrived of it is not checked, nor its blocks
+            written[:, t["dst"]] = True
+            continue
         for layer in range(spec["layers"]):
             for s, d in zip(t["src"], t["dst"]):
                 written[layer, d] = True
@@ -90,8 +98,21 @@ def run_d(spec: dict) -> None:
         for layer in range(spec["layers"]))
     print(json.dumps({"finished": sorted(finished), "failed": sorted(failed),
                       "mismatched_blocks": mismatches, "untouched_ok": untouched_ok,
+                      "cuda_ok": cuda_still_works(),
                       "device": torch.cuda.get_device_name()}), flush=True)
     transport.shutdown()
+
+
+def cuda_still_works() -> bool:
+    """Whether this process's CUDA context still runs work (a fault in a copy, such as reading
+    a dead peer's memory, would leave it broken for good)."""
+    try:
+        x = torch.ones(1 << 20, device="cuda")
+        ok = int(x.sum().item()) == 1 << 20
+        torch.cuda.synchronize()
+        return ok
+    except RuntimeError:
+        return False
 
 
 def run_p(spec: dict, endpoint: str) -> None:
@@ -111,11 +132,14 @@ def run_p(spec: dict, endpoint: str) -> None:
     tasks = [SendTask(req_id=f"req-{i}", transfer_id=f"tid-{i}", peer=peer, src_blocks=[t["src"]],
                       dst_blocks=[t["dst"]], final=True, new_tokens=16 * len(t["src"]))
              for i, t in enumerate(spec["transfers"])]
+    tasks = [tasks[i] for i in spec.get("send", range(len(tasks)))]
     layers = list(range(spec["layers"]))
     groups = [layers[i:i + spec["group"]] for i in range(0, len(layers), spec["group"])]
     for task in tasks:
         sender.outgoing(task)
     torch.cuda.synchronize()
+    if spec.get("die_after_groups") is not None:
+        die_mid_transfer(sender, stats, tasks, groups[:spec["die_after_groups"]])
     states: dict[str, str] = {}
     # spec["warmup"]: the first transfer opens the connection (handshake, engine endpoints,
     # host buffers) and is left out of the rate, which then is the steady state's
@@ -124,7 +148,8 @@ def run_p(spec: dict, endpoint: str) -> None:
     t0 = time.monotonic()
     send_all(sender, tasks[len(warm):], groups, states)
     seconds = time.monotonic() - t0
-    timed = spec["transfers"][len(warm):]
+    sent = [spec["transfers"][i] for i in spec.get("send", range(len(spec["transfers"])))]
+    timed = sent[len(warm):]
     nbytes = sum(len(t["src"]) for t in timed) * spec["layers"] * spec["block_bytes"]
     channel = next(iter(sender._channels.values()), None)
     print(json.dumps({"states": states, "seconds": seconds, "nbytes": nbytes,
@@ -135,6 +160,23 @@ def run_p(spec: dict, endpoint: str) -> None:
                       "reads": bool(getattr(channel, "reads", False))}), flush=True)
     sender.shutdown()
     transport.shutdown()
+
+
+def die_mid_transfer(sender: Sender, stats: WorkerStats, tasks: list[SendTask],
+                     groups: list[list[int]]) -> None:
+    """Queue ``groups`` of ``tasks`` without their ends, and kill this process as soon as the
+    sender has sent them (D may then still be copying the last one)."""
+    for g, group in enumerate(groups):
+        event = torch.cuda.Event()
+        event.record()
+        sender.put(GroupSend(step=1, group=g, layers=group, tasks=tasks, event=event))
+    sent, deadline = 0, time.monotonic() + 60
+    while sent < len(groups) * len(tasks) and time.monotonic() < deadline:
+        counts = stats.take()
+        sent += counts.data["groups_sent"] if counts is not None else 0
+        time.sleep(0.0002)
+    print(json.dumps({"groups_sent": sent}), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def send_all(sender: Sender, tasks: list[SendTask], groups: list[list[int]],

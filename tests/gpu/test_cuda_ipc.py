@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -42,18 +43,10 @@ def run_pair(transport: str, transfers: list[dict], layers: int = 32, blocks: in
     spec = {"transport": transport, "transfers": transfers, "layers": layers, "blocks": blocks,
             "block_bytes": BLOCK_BYTES, "group": group, "config": config or {},
             "warmup": warmup}
-    gpu_p, gpu_d = gpus()
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env_extra or {}))
-    d = subprocess.Popen([sys.executable, PEER, "d", json.dumps(spec)], stdout=subprocess.PIPE,
-                         text=True, env=dict(env, CUDA_VISIBLE_DEVICES=gpu_d))
+    d, endpoint = start_decode(spec, env)
     try:
-        line = d.stdout.readline()
-        while line and not line.startswith("{"):  # engines (NIXL) may log to stdout first
-            line = d.stdout.readline()
-        endpoint = json.loads(line)["endpoint"]
-        p = subprocess.run([sys.executable, PEER, "p", json.dumps(spec), endpoint],
-                           capture_output=True, text=True, timeout=300,
-                           env=dict(env, CUDA_VISIBLE_DEVICES=gpu_p))
+        p = run_prefill(spec, endpoint, env)
         assert p.returncode == 0, p.stderr[-3000:]
         d_out, _ = d.communicate(timeout=300)
     finally:
@@ -66,6 +59,27 @@ def run_pair(transport: str, transfers: list[dict], layers: int = 32, blocks: in
     if out:
         Path(out).write_text(json.dumps(RESULTS, indent=1))
     return p_res, d_res
+
+
+def start_decode(spec: dict, env: dict[str, str]) -> tuple[subprocess.Popen, str]:
+    """D's peer process on D's GPU, and the endpoint it listens on."""
+    d = subprocess.Popen([sys.executable, PEER, "d", json.dumps(spec)], stdout=subprocess.PIPE,
+                         text=True, env=dict(env, CUDA_VISIBLE_DEVICES=gpus()[1]))
+    line = d.stdout.readline()
+    while line and not line.startswith("{"):  # engines (NIXL) may log to stdout first
+        line = d.stdout.readline()
+    if not line:
+        d.kill()
+        raise AssertionError("the decode peer exited before it listened")
+    return d, json.loads(line)["endpoint"]
+
+
+def run_prefill(spec: dict, endpoint: str, env: dict[str, str]
+                ) -> subprocess.CompletedProcess[str]:
+    """P's peer process on P's GPU, to its end."""
+    return subprocess.run([sys.executable, PEER, "p", json.dumps(spec), endpoint],
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(env, CUDA_VISIBLE_DEVICES=gpus()[0]))
 
 
 def contiguous(n: int, at: int = 0, dst_at: int = 500) -> dict:
@@ -109,6 +123,43 @@ def test_decode_reads_copies_device_to_device_byte_exact() -> None:
     assert p_res["direct"] and p_res["reads"]
     assert all(s == "acked" for s in p_res["states"].values()), p_res["states"]
     assert_exact(d_res, 2)
+
+
+def test_prefill_killed_while_decode_reads_fails_only_its_transfer() -> None:
+    """With D reading, P is killed right after it has announced three layer groups of a
+    2,000-block transfer (D may still be copying from P's memory). D fails that transfer,
+    keeps a working CUDA context, lets go of the dead P's memory (P's GPU gets it back), and
+    then receives another P's transfer byte for byte."""
+    if torch.cuda.device_count() < 2:
+        skip("needs two GPUs: P's memory is checked on a GPU of its own", __name__)
+    spec = {"transport": "cuda_ipc", "layers": 32, "blocks": 2400, "block_bytes": BLOCK_BYTES,
+            "group": 4, "config": {"cuda_ipc_reads": True}, "warmup": False,
+            "transfers": [contiguous(2000, 0, 0), contiguous(256, 0, 2100)]}
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    free_before, _ = torch.cuda.mem_get_info(0)
+    d, endpoint = start_decode(spec, env)
+    try:
+        dying = run_prefill({**spec, "send": [0], "die_after_groups": 3}, endpoint, env)
+        assert dying.returncode == -9, dying.stderr[-3000:]
+        assert json.loads(dying.stdout.strip().splitlines()[-1])["groups_sent"] == 3
+        t_dead = time.monotonic()  # P's 2.4 GiB of KV, no longer mapped by D
+        while torch.cuda.mem_get_info(0)[0] < free_before - (256 << 20):
+            assert time.monotonic() < t_dead + 30, "the dead prefill's memory was not released"
+            time.sleep(0.05)
+        released_s = time.monotonic() - t_dead
+        healthy = run_prefill({**spec, "send": [1]}, endpoint, env)
+        assert healthy.returncode == 0, healthy.stderr[-3000:]
+        p_res = json.loads(healthy.stdout.strip().splitlines()[-1])
+        d_out, _ = d.communicate(timeout=300)
+    finally:
+        d.kill()
+    d_res = json.loads(d_out.strip().splitlines()[-1])
+    RESULTS.append({"case": "prefill killed while decode reads", "released_s": released_s,
+                    "p": p_res, "d": d_res})
+    assert p_res["reads"] and p_res["states"] == {"tid-1": "acked"}, p_res
+    assert d_res["failed"] == ["req-0"] and d_res["finished"] == ["req-1"], d_res
+    assert d_res["mismatched_blocks"] == 0 and d_res["untouched_ok"], d_res
+    assert d_res["cuda_ok"], d_res
 
 
 def test_tcp_forced_sends_bytes_through_pinned_staging() -> None:
