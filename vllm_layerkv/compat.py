@@ -274,9 +274,8 @@ def intake_marks(request: Request) -> dict[str, float]:
     """When a request entered vLLM, on the host's monotonic clock (the traces' clock), for the
     TTFT profile: ``arrival`` is vLLM's ``arrival_time`` (wall clock; the API server stamps it
     as it starts rendering the prompt, before tokenizing) moved onto the monotonic clock,
-    ``queued`` the engine core's
-    QUEUED event (recorded only with vLLM's log stats on). A mark vLLM did not record is left
-    out."""
+    ``queued`` the engine core's QUEUED event (recorded only with vLLM's log stats on). A mark
+    vLLM did not record is left out."""
     marks: dict[str, float] = {}
     arrival = getattr(request, "arrival_time", None)
     if isinstance(arrival, (int, float)):
