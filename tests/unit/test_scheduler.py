@@ -1318,4 +1318,3 @@ def test_decode_continues_from_the_first_token_prefill_sampled(engines) -> None:
                                                for t in range(prompt)])), layer
     run_both_until_idle(p, d)
     assert rd.num_output_tokens == 3 and rd.num_prompt_tokens == prompt + 1
-

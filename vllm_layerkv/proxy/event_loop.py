@@ -28,4 +28,3 @@ def loop_factory(choice: str) -> tuple[str, Callable[[], asyncio.AbstractEventLo
                              "(pip install uvloop) or use --event-loop asyncio") from None
         return "asyncio", None
     return "uvloop", uvloop.new_event_loop
-
