@@ -184,6 +184,7 @@ def run_d(spec: dict[str, Any]) -> dict[str, Any]:
     for i in range(count):
         table.expect(RecvTask(f"req-{i}", f"probe-{i}", list(range(i * n, (i + 1) * n))))
     print(json.dumps({"endpoint": endpoint}), flush=True)
+    start_busy_threads(spec["busy_threads"])
     finished: set[str] = set()
     failed: set[str] = set()
     deadline = time.monotonic() + spec["timeout"]
@@ -237,6 +238,7 @@ def run_p(spec: dict[str, Any], endpoint: str) -> dict[str, Any]:
     if cuda:
         torch.cuda.synchronize()
     seconds, states = [], []
+    start_busy_threads(spec["busy_threads"])
     try:
         for i in range(spec["transfers"]):
             t = SendTask(req_id=f"req-{i}", transfer_id=f"probe-{i}", peer=peer,
@@ -276,6 +278,19 @@ def wait_terminal(sender: Any, transfer_id: str, timeout: float) -> str:
         sender.state.changed.wait(0.01)
         sender.state.changed.clear()
     return "timed out"
+
+
+def start_busy_threads(count: int) -> None:
+    """``--busy-threads``: threads that run Python without pause, started once the peer is set
+    up (before, they would slow its imports a hundredfold): a stand-in for a vLLM engine
+    thread that holds the GIL while it steps, to measure how much of the path needs the GIL."""
+    def spin() -> None:
+        n = 0
+        while True:
+            n += 1
+
+    for i in range(count):
+        threading.Thread(target=spin, name=f"probe-busy-{i}", daemon=True).start()
 
 
 def peer_main(role: str, spec: dict[str, Any], endpoint: str | None) -> int:
@@ -392,14 +407,17 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3,
                     help="timed transfers per transport, after one untimed")
     ap.add_argument("--group", type=int, default=4, help="layers per layer group")
+    ap.add_argument("--busy-threads", type=int, default=0,
+                    help="threads in each of P and D that run Python without pause during the "
+                         "transfers, holding the GIL as an engine thread does (default 0)")
     ap.add_argument("--p-gpu", default="0", help="P's GPU (CUDA_VISIBLE_DEVICES)")
     ap.add_argument("--d-gpu", default="1", help="D's GPU (CUDA_VISIBLE_DEVICES)")
     ap.add_argument("--timeout", type=float, default=300,
                     help="seconds one transport's transfers may take")
     ap.add_argument("--out", type=Path, required=True, help="the JSON file to write")
     args = ap.parse_args()
-    if args.tokens < BLOCK_TOKENS or args.repeats < 1 or args.group < 1:
-        ap.error("--tokens must be >= 16, --repeats and --group >= 1")
+    if args.tokens < BLOCK_TOKENS or args.repeats < 1 or args.group < 1 or args.busy_threads < 0:
+        ap.error("--tokens must be >= 16, --repeats and --group >= 1, --busy-threads >= 0")
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     model_config = read_model_config(args.model)
     try:
@@ -412,7 +430,7 @@ def main() -> int:
     spec = {"device": args.device, "layers": layers,
             "block_bytes": BLOCK_TOKENS * elements * elem,
             "blocks": math.ceil(args.tokens / BLOCK_TOKENS), "transfers": args.repeats + 1,
-            "group": args.group, "timeout": args.timeout}
+            "group": args.group, "timeout": args.timeout, "busy_threads": args.busy_threads}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     record: dict[str, Any] = {"command": " ".join(sys.argv), "spec": spec, "results": []}
     for transport in transports:

@@ -153,7 +153,7 @@ class LayerKVConfig:
     """Timeout for opening a control or data connection and for its handshake."""
     io_timeout_s: float = 60.0
     """A data connection that makes no progress for this long is closed and its transfers
-    fail."""
+    fail (the kernel's send and receive timeouts of its blocking sockets)."""
 
     # --- prefill TP != decode TP (tp.py, staging.py) --------------------------------------
     tp_staging: bool = True

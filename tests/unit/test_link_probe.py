@@ -79,11 +79,32 @@ def test_the_probe_measures_layerkv_s_tcp_path_between_two_processes(tmp_path: P
     assert "[probe] tcp (tcp, UCX_TLS=-)" in r.stdout
 
 
+def test_busy_threads_hold_the_gil_in_both_peers_while_the_bytes_still_arrive(
+        tmp_path: Path) -> None:
+    out = tmp_path / "probe.json"
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(TINY))
+    r = subprocess.run([sys.executable, str(BENCHMARKS / "link_probe.py"), "--device", "cpu",
+                        "--model", str(model), "--tokens", "512", "--repeats", "2",
+                        "--transports", "tcp", "--busy-threads", "1", "--out", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    record = json.loads(out.read_text())
+    assert record["spec"]["busy_threads"] == 1
+    (tcp,) = record["results"]
+    assert tcp["ok"] and tcp["checked"] == {"finished": 3, "failed": [], "mismatched": 0}, tcp
+
+
 def test_bad_probe_options_are_refused(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, str(BENCHMARKS / "link_probe.py"), "--device", "cpu",
                         "--tokens", "8", "--out", str(tmp_path / "p.json")],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--tokens must be >= 16" in r.stderr
+    r = subprocess.run([sys.executable, str(BENCHMARKS / "link_probe.py"), "--device", "cpu",
+                        "--busy-threads", "-1", "--out", str(tmp_path / "p.json")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--busy-threads >= 0" in r.stderr
     r = subprocess.run([sys.executable, str(BENCHMARKS / "link_probe.py"), "--device", "cpu",
                         "--model", str(GPU_MODELS / "nemotronh8b"), "--out",
                         str(tmp_path / "p.json")],

@@ -14,6 +14,7 @@ from kv_sides import assert_copied, push, start_d, start_p, task
 from vllm_layerkv.config import ConfigError, LayerKVConfig
 from vllm_layerkv.tasks import RecvTask
 from vllm_layerkv.transport.pacing import MAX_BURST_BYTES, MIN_BURST_BYTES, TokenBucket, pacer_for
+from vllm_layerkv.wire import framing
 
 
 class FakeTime:
@@ -158,12 +159,13 @@ def test_layerkv_s_tcp_transport_paces_a_transfer_to_the_setting() -> None:
 
 
 def test_without_pacing_the_channel_sends_on_the_socket_itself() -> None:
-    """Off (the default) costs nothing: the payload goes straight to ``socket.sendall``."""
+    """Off (the default) costs nothing: the payload goes straight to the socket, no bucket."""
     d = start_d()
     p = start_p("tcp")
     try:
         channel = p.sender._channel(d.endpoint)
-        assert channel._send_payload == channel._sock.sendall
+        assert channel._send_payload.func is framing.send_all
+        assert channel._send_payload.args == (channel._sock,)
     finally:
         p.sender.shutdown()
         d.transport.shutdown()

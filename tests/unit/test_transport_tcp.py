@@ -5,6 +5,7 @@ test_transport_conformance.py; both use the ends in kv_sides.py."""
 from __future__ import annotations
 
 import socket
+import struct
 import threading
 import time
 
@@ -101,6 +102,40 @@ def test_connection_killed_mid_frame_fails_the_transfer(d_side) -> None:
     sock.close()
     assert d.drain_until(lambda f, x: bool(f or x)) == (set(), {"r"})
     assert d.table.pending() == 1  # t-other had no data from the lost source: still waiting
+
+
+def test_a_sender_stalled_mid_frame_fails_the_transfer_after_io_timeout(d_side) -> None:
+    """D reads a payload in one blocking call (``framing.set_io_timeout``); a sender that stops
+    inside it still fails the transfer once the kernel's timeout runs out."""
+    d = d_side(io_timeout=0.5)
+    d.table.expect(RecvTask("r", "t", [1, 2]))
+    sock = _raw_sender(d)
+    nbytes = 2 * 2 * BLOCK_BYTES
+    framing.send_message(sock, BlockData(transfer_id="t", layers=[0, 1], dst_blocks=[1, 2],
+                                         block_bytes=BLOCK_BYTES, nbytes=nbytes))
+    sock.sendall(b"\x01" * (nbytes // 2))
+    start = time.monotonic()
+    assert d.drain_until(lambda f, x: bool(f or x)) == (set(), {"r"})
+    assert 0.4 < time.monotonic() - start < 5.0
+    sock.settimeout(2.0)
+    with pytest.raises((framing.PeerClosed, OSError)):  # D dropped the connection
+        framing.recv_message(sock)
+    sock.close()
+
+
+def test_both_ends_of_a_data_connection_block_with_io_timeout_in_the_kernel(d_side) -> None:
+    d = d_side()
+    blocks = HostBlockIO(KVLayout.from_kv_caches(make_caches(None), NUM_BLOCKS))
+    channel = TcpTransport().open_channel(
+        d.endpoint, Hello(compat=compat(), engine_id="p", tp_rank=0, tp_size=1), blocks,
+        on_ack=lambda a: None, on_lost=lambda r: None, timeout=2.0, io_timeout=3.0)
+    try:
+        sock = channel._sock
+        assert sock.gettimeout() is None
+        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.calcsize("ll"))
+        assert struct.unpack("ll", raw) == (3, 0)
+    finally:
+        channel.close()
 
 
 def test_malformed_block_data_drops_the_connection(d_side) -> None:

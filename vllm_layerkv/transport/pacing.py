@@ -21,6 +21,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from vllm_layerkv.wire import framing
+
 BURST_S = 0.001
 """Credit the bucket holds, in seconds of the rate: the longest burst at the socket's own
 speed."""
@@ -63,7 +65,7 @@ class TokenBucket:
         for start in range(0, len(view), self.burst):
             piece = view[start:start + self.burst]
             self.take(len(piece))
-            sock.sendall(piece)
+            framing.send_all(sock, piece)
 
 
 def pacer_for(gbps: float) -> TokenBucket | None:

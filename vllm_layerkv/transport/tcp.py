@@ -33,7 +33,10 @@ connection it is bound to. A ``TransferDone`` or ``TransferNearlyDone`` naming a
 than its connection's is a protocol error.
 
 Threads: D runs one accept thread and one reader thread per connection; P runs one ack-reader
-thread per connection (the sender thread writes). P's end of a connection is
+thread per connection (the sender thread writes). Data sockets block, with ``io_timeout_s`` as
+the kernel's timeouts (``framing.set_io_timeout``): a layer's payload is one send on P and one
+receive on D, outside the GIL that the engine's thread holds while it steps; idle waits for
+the next message poll. P's end of a connection is
 ``tcp_channel.TcpSendChannel``; this module opens it, and serves D's end. Each end has a hook
 (``hooks.py``), which does nothing unless the process's environment installs the test hook.
 """
@@ -208,7 +211,7 @@ class TcpTransport(Transport):
         except TransportError as e:
             path = WritePath(None, self._required, refusal=str(e))
             logger.error("LayerKV: %s", path.refusal)
-        sock.settimeout(io_timeout)  # a D that stops reading fails the send, not hangs it
+        framing.set_io_timeout(sock, io_timeout)  # a D that stops reading fails the send
         return TcpSendChannel(sock, endpoint, blocks, on_ack, on_lost, path, io_timeout,
                               self._new_hook(), self._pacer)
 
@@ -315,7 +318,7 @@ class TcpTransport(Transport):
             if not self._gate.authenticate(slot, addr):
                 return
             keepalive(conn)
-            conn.settimeout(io_timeout)
+            framing.set_io_timeout(conn, io_timeout)
             first = framing.recv_message(conn, Hello, limits=self._limits.messages)
             if not isinstance(first, Hello):
                 raise TransportError(f"expected Hello, got {type(first).__name__}")

@@ -18,6 +18,7 @@ import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -82,8 +83,8 @@ class TcpSendChannel(SendChannel):
         """This end's hook points (``hooks.py``): before each write, before each per-transfer
         message."""
         # payload bytes at the emulated link's rate (tcp_pacing_gbps), else straight out
-        self._send_payload = (sock.sendall if pacer is None
-                              else lambda data: pacer.sendall(sock, data))
+        self._send_payload = (partial(framing.send_all, sock) if pacer is None
+                              else partial(pacer.sendall, sock))
         self._grants: queue.SimpleQueue[WriteGrant | None] = queue.SimpleQueue()
         self._seq = 0
         self._reader = start_thread(self._read_acks, f"layerkv-acks-{endpoint}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import select
 import socket
+import struct
 
 from vllm_layerkv.wire.protocol import (
     FRAME_HEADER,
@@ -32,13 +33,27 @@ class PeerClosed(ConnectionError):
 
 
 def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
-    """Fill ``view`` completely from ``sock`` (raises PeerClosed on EOF)."""
+    """Fill ``view`` completely from ``sock`` (raises PeerClosed on EOF). On a socket in
+    ``set_io_timeout``'s blocking mode ``MSG_WAITALL`` makes it one call for the whole view,
+    which waits in the kernel without Python's GIL; on a socket with a Python timeout the flag
+    changes nothing (the descriptor is non-blocking) and each call returns what is there."""
     got, n = 0, len(view)
     while got < n:
-        k = sock.recv_into(view[got:], n - got)
+        try:
+            k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
+        except BlockingIOError:  # set_io_timeout's kernel timeout ran out with nothing read
+            raise TimeoutError(f"timed out: nothing received for {_io_timeout(sock)}") from None
         if k == 0:
             raise PeerClosed("connection closed by peer")
         got += k
+
+
+def send_all(sock: socket.socket, data: bytes | memoryview) -> None:
+    """``sock.sendall``, with ``set_io_timeout``'s kernel timeout reported as a timeout."""
+    try:
+        sock.sendall(data)
+    except BlockingIOError:
+        raise TimeoutError(f"timed out: nothing sent for {_io_timeout(sock)}") from None
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytearray:
@@ -75,7 +90,7 @@ def recv_growing(sock: socket.socket, n: int) -> bytearray:
 
 
 def send_message(sock: socket.socket, msg: Message) -> None:
-    sock.sendall(encode(msg))
+    send_all(sock, encode(msg))
 
 
 def discard(sock: socket.socket, n: int, scratch: memoryview) -> None:
@@ -101,6 +116,34 @@ def tune(sock: socket.socket) -> None:
             sock.setsockopt(socket.SOL_SOCKET, opt, 8 * 1024 * 1024)
         except OSError:
             pass
+
+
+def set_io_timeout(sock: socket.socket, seconds: float) -> None:
+    """Put a data connection in blocking mode, with ``seconds`` as the kernel's send and
+    receive timeouts (``SO_SNDTIMEO`` / ``SO_RCVTIMEO``: a call that moves nothing for that
+    long fails, so a peer that stops reading or writing fails the transfer, not hangs it).
+
+    Not Python's own socket timeout: that makes the descriptor non-blocking, so ``sendall``
+    and ``recv_exact_into`` move a payload in as many calls as the socket buffer has room or
+    bytes for, and take the GIL back between any two. In a vLLM process the engine's thread
+    holds the GIL while it steps, and CPython hands it over only every switch interval (5 ms),
+    so each of those calls can wait that long. In blocking mode one call moves a whole layer's
+    payload with the GIL released throughout. Idle waits stay in ``wait_readable``."""
+    sock.settimeout(None)
+    whole = int(seconds)
+    timeval = struct.pack("ll", whole, int((seconds - whole) * 1e6))
+    for opt in (socket.SO_SNDTIMEO, socket.SO_RCVTIMEO):
+        sock.setsockopt(socket.SOL_SOCKET, opt, timeval)
+
+
+def _io_timeout(sock: socket.socket) -> str:
+    """The kernel timeout ``set_io_timeout`` gave ``sock``, for an error message."""
+    try:
+        sec, usec = struct.unpack("ll", sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                                                         struct.calcsize("ll")))
+    except OSError:
+        return "the connection's io_timeout_s"
+    return f"io_timeout_s={sec + usec / 1e6:g} s"
 
 
 def listen(host: str, port: int) -> socket.socket:
