@@ -14,7 +14,9 @@ against itself first). Writes one JSON per bench run (and its output, ``<point>.
 link); ``benchmarks/plot_results.py`` and ``benchmarks/plot_link_rates.py`` draw the plots.
 With ``--starts N`` every configuration is started N times, the configurations in turn (the
 c=1 points only after the first start), and each c=1 point is also reported as the median over
-the starts (``c1_over_starts``): one start's median moves with the start.
+the starts (``c1_over_starts``): one start's median moves with the start. With
+``--probe-around`` too, each start has its own ideal TTFT (``ideal``, ``ideal_starts``) and
+``c1_over_starts`` each start's ratio to it and their median.
 
 Configurations (``--configs``):
   single       one instance (GPU 0 / CPU cores 0-1)
@@ -1186,11 +1188,11 @@ def link_of(config: Config, res: dict[str, Any], device: str,
     return ideal_ttft.link_rate(transport, env.get("UCX_TLS"), config.pacing_gbps, probe)
 
 
-def ideal_report(summary: dict[str, Any], configs: list[Config], args: argparse.Namespace
+def ideal_report(results: dict[str, Any], configs: list[Config], args: argparse.Namespace
                  ) -> dict[str, Any]:
     """The ideal TTFT over each P/D configuration's link and its ratio to it (ideal_ttft.py),
-    from this run's single instance; empty without one."""
-    results = summary["results"]
+    from one start's ``results`` (its single instance and, with ``--probe-around``, its
+    probes); empty without a single instance."""
     single = results.get("single", {})
     overhead = single.get("overhead", {}).get("median_ttft_ms")
     single_c1 = {n: single[f"c1_in{n}"]["median_ttft_ms"] for n in args.prompt_lens
@@ -1298,8 +1300,11 @@ def later_start(args: argparse.Namespace, start: int
 def c1_over_starts(summary: dict[str, Any], configs: list[Config], args: argparse.Namespace
                    ) -> dict[str, Any]:
     """``--starts``: per configuration and prompt length, the median TTFT of each start and
-    their median; per P/D configuration, that median over the single instance's."""
+    their median; per P/D configuration, that median over the single instance's, and where
+    the starts have ideal TTFTs (``ideal``, ``ideal_starts``) each start's ratio to its own
+    ideal and their median."""
     runs = [summary["results"], *summary.get("starts", {}).values()]
+    ideals = [summary.get("ideal", {}), *summary.get("ideal_starts", {}).values()]
     out: dict[str, Any] = {}
     for config in configs:
         points: dict[str, Any] = {}
@@ -1318,6 +1323,15 @@ def c1_over_starts(summary: dict[str, Any], configs: list[Config], args: argpars
             if n in single:
                 point["ratio_to_single"] = round(
                     point["median_ttft_ms"] / single[n]["median_ttft_ms"], 3)
+            # a report's lengths are ints until the summary went through JSON
+            rows = [next((row for key, row in ideal.get("configs", {}).get(config.name, {})
+                          .get("points", {}).items() if str(key) == n), {})
+                    for ideal in ideals]
+            for key, name in (("ratio", "ideal"), ("engine_ratio", "engine")):
+                ratios = [row[key] for row in rows if row.get(key) is not None]
+                if ratios:
+                    point[f"{name}_ratios"] = ratios
+                    point[f"median_{name}_ratio"] = round(statistics.median(ratios), 3)
     return out
 
 
@@ -1325,6 +1339,9 @@ def log_over_starts(report: dict[str, Any]) -> None:
     for name, points in report.items():
         for n, p in points.items():
             ratio = f", {p['ratio_to_single']}x single" if "ratio_to_single" in p else ""
+            if "median_ideal_ratio" in p:
+                ratio += (f", {p['median_ideal_ratio']}x the ideal (per start: "
+                          + ", ".join(f"{r:.3f}" for r in p["ideal_ratios"]) + ")")
             log(f"{name} in={n}: median TTFT over {len(p['medians'])} starts "
                 f"{p['median_ttft_ms']:.1f} ms{ratio} (per start: "
                 + ", ".join(f"{m:.1f}" for m in p["medians"]) + ")")
@@ -1389,8 +1406,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--probe-around", action="store_true",
                     help="probe each P/D configuration's link (benchmarks/link_probe.py, its "
                          "transport and UCX_TLS) right before and right after it runs, with no "
-                         "server up, and take the mean of the two as its link rate (the rate "
-                         "of a host's loopback TCP moved 20 %% between runs minutes apart)")
+                         "server up, in every start, and take the mean of the two as its link "
+                         "rate (the rate of a host's loopback TCP moved 20 %% between runs "
+                         "minutes apart); with --starts, each start's ideal TTFT and the "
+                         "median ratio over the starts")
     ap.add_argument("--starts", type=int, default=1, metavar="N",
                     help="start every configuration N times, the configurations in turn "
                          "(A B C, A B C, ...), and report each c=1 point's median TTFT over "
@@ -1507,9 +1526,9 @@ def main() -> int:
             for config in configs:
                 res: dict[str, Any] = {}
                 results[config.name] = res
-                probing = args.probe_around and config.pd and start == 1
+                probing = args.probe_around and config.pd
                 if probing:
-                    res["link_probes"] = [probe_link(config, args, "before")]
+                    res["link_probes"] = [probe_link(config, start_args, "before")]
                 try:
                     ok &= run_config(config, start_args, runner, start_identity, res, save,
                                      capacity)
@@ -1518,9 +1537,13 @@ def main() -> int:
                     ok = False
                     log(f"{config.name} did not start: {str(e)[-2000:]}")
                 if probing:
-                    res["link_probes"].append(probe_link(config, args, "after"))
+                    res["link_probes"].append(probe_link(config, start_args, "after"))
                 # after every configuration: a run cut by a time limit keeps its ideal TTFTs
-                summary["ideal"] = ideal_report(summary, configs, args)
+                if start == 1:
+                    summary["ideal"] = ideal_report(results, configs, args)
+                else:
+                    summary.setdefault("ideal_starts", {})[str(start)] = ideal_report(
+                        results, configs, args)
                 if args.starts > 1:
                     summary["c1_over_starts"] = c1_over_starts(summary, configs, args)
                 save()

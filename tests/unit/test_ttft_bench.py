@@ -510,7 +510,7 @@ def summary_for_ideal(tmp_path: Path) -> tuple[dict, argparse.Namespace]:
 def test_ideal_report_per_configuration_and_prompt_length(tmp_path) -> None:
     summary, args = summary_for_ideal(tmp_path)
     configs = [ttft_bench.parse_config(n) for n in summary["results"]]
-    report = ttft_bench.ideal_report(summary, configs, args)
+    report = ttft_bench.ideal_report(summary["results"], configs, args)
     assert report["kv_token_bytes"] == 131072 and report["overhead_ms"] == 20.0
     assert set(report["configs"]) == {"layerkv", "layerkv-tcp-10g"}  # P/D ones only
     ipc = report["configs"]["layerkv"]
@@ -539,7 +539,7 @@ def test_the_engine_prefill_ideal_and_p_s_prefill_beside_the_single_instance_s(
         "prefill": {"requests": 5, "mean_queue_ms": 0.3, "mean_prefill_ms": 210.0},
         "decode": {"requests": 5, "mean_queue_ms": 850.0, "mean_prefill_ms": 9.0}}
     configs = [ttft_bench.parse_config(n) for n in results]
-    report = ttft_bench.ideal_report(summary, configs, args)
+    report = ttft_bench.ideal_report(summary["results"], configs, args)
     paced = report["configs"]["layerkv-tcp-10g"]
     row = paced["points"][8192]
     transfer = 8192 * 131072 / 1.25e6
@@ -568,7 +568,7 @@ def test_a_configuration_s_own_probes_before_and_after_it_give_its_link_rate(tmp
             {"transport": "tcp", "ok": True, "gbps": 3.5, "ucx_tls": None, "when": "after"},
             {"transport": "tcp", "when": "after", "error": "x"}]}
     configs = [ttft_bench.parse_config(n) for n in summary["results"]]
-    report = ttft_bench.ideal_report(summary, configs, args)
+    report = ttft_bench.ideal_report(summary["results"], configs, args)
     assert report["configs"]["layerkv-tcp"]["link_gbps"] == pytest.approx(3.25)
     row = report["configs"]["layerkv-tcp"]["points"][8192]
     assert row["ideal_ttft_ms"] == pytest.approx(20.0 + 8192 * 131072 / 3.25e6, abs=0.01)
@@ -641,10 +641,10 @@ def test_no_ideal_without_a_single_instance_or_a_model_shape(tmp_path) -> None:
     summary, args = summary_for_ideal(tmp_path)
     del summary["results"]["single"]
     configs = [ttft_bench.parse_config("layerkv")]
-    assert ttft_bench.ideal_report(summary, configs, args)["configs"]["layerkv"]["points"] == {}
+    assert ttft_bench.ideal_report(summary["results"], configs, args)["configs"]["layerkv"]["points"] == {}
     summary, args = summary_for_ideal(tmp_path / "again")
     args.model = str(tmp_path / "nowhere")
-    report = ttft_bench.ideal_report(summary, configs, args)
+    report = ttft_bench.ideal_report(summary["results"], configs, args)
     assert report["kv_token_bytes"] is None and "no KV size per token" in report["note"]
 
 
@@ -1050,3 +1050,54 @@ def test_starts_run_the_configurations_in_turn_and_report_the_median_over_starts
                                        "ratio_to_single": 1.045}
     with pytest.raises(SystemExit):
         ttft_bench.parse_args(["--model", "m", "--out", str(out), "--starts", "0"])
+
+
+def test_with_probe_around_every_start_has_its_own_ideal_and_the_median_ratio_is_reported(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--starts 3 --probe-around``: each start probes the link around each P/D configuration
+    into its own folder, gets its ideal TTFT from its own single instance and probes, and the
+    report over the starts holds each start's ratio to its ideal and their median."""
+    import sys
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(ttft_bench.link_probe.LLAMA_8B))
+    token_bytes = 131072
+    rates = {"2": (2.0, 2.0), "3": (4.0, 4.0)}  # GB/s before / after, per start; start 1: 3.0
+    layerkv_ttft = [400.0, 560.0, 300.0]
+    probed: list[tuple[str, str]] = []
+
+    def probe_link(config, args, when):
+        start = args.out.name.removeprefix("start") if args.out.name != "o" else "1"
+        probed.append((start, when))
+        gbps = rates.get(start, (3.0, 3.0))[when == "after"]
+        return {"transport": "tcp", "ok": True, "gbps": gbps, "when": when}
+
+    def run_config(config, args, runner, identity, res, save, capacity):
+        start = 1 if args.out.name == "o" else int(args.out.name.removeprefix("start"))
+        if config.name == "single":
+            res["c1_in8192"] = {"median_ttft_ms": 250.0}
+            res["overhead"] = {"prompt_len": 16, "median_ttft_ms": 20.0}
+        else:
+            res["c1_in8192"] = {"median_ttft_ms": layerkv_ttft[start - 1]}
+            res["transport_used"] = "tcp"
+        return True
+
+    monkeypatch.setattr(ttft_bench, "BenchServe", NoWorker)
+    monkeypatch.setattr(ttft_bench, "run_config", run_config)
+    monkeypatch.setattr(ttft_bench, "probe_link", probe_link)
+    out = tmp_path / "o"
+    monkeypatch.setattr(sys, "argv", [
+        "ttft_bench.py", "--device", "cuda", "--model", str(model), "--out", str(out),
+        "--configs", "single", "layerkv-tcp", "--prompt-lens", "8192", "--starts", "3",
+        "--probe-around", "--num-gpus", "2"])
+    assert ttft_bench.main() == 0
+    assert probed == [(s, w) for s in "123" for w in ("before", "after")]
+    summary = json.loads((out / "summary.json").read_text())
+    ideals = [20.0 + 8192 * token_bytes / (gbps * 1e6) for gbps in (3.0, 2.0, 4.0)]
+    ratios = [round(t / i, 3) for t, i in zip(layerkv_ttft, ideals)]
+    assert summary["ideal"]["configs"]["layerkv-tcp"]["points"]["8192"]["ratio"] == ratios[0]
+    assert summary["ideal_starts"]["3"]["configs"]["layerkv-tcp"]["link_gbps"] == 4.0
+    point = summary["c1_over_starts"]["layerkv-tcp"]["8192"]
+    assert point["ideal_ratios"] == ratios
+    assert point["median_ideal_ratio"] == round(sorted(ratios)[1], 3)
