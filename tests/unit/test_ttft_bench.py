@@ -641,7 +641,8 @@ def test_no_ideal_without_a_single_instance_or_a_model_shape(tmp_path) -> None:
     summary, args = summary_for_ideal(tmp_path)
     del summary["results"]["single"]
     configs = [ttft_bench.parse_config("layerkv")]
-    assert ttft_bench.ideal_report(summary["results"], configs, args)["configs"]["layerkv"]["points"] == {}
+    report = ttft_bench.ideal_report(summary["results"], configs, args)
+    assert report["configs"]["layerkv"]["points"] == {}
     summary, args = summary_for_ideal(tmp_path / "again")
     args.model = str(tmp_path / "nowhere")
     report = ttft_bench.ideal_report(summary["results"], configs, args)
