@@ -87,6 +87,9 @@ def test_the_timeout_is_the_kernels_and_the_socket_blocks(pair) -> None:
     for opt in (socket.SO_SNDTIMEO, socket.SO_RCVTIMEO):
         raw = out.getsockopt(socket.SOL_SOCKET, opt, struct.calcsize("ll"))
         assert struct.unpack("ll", raw) == (2, 500000)
+    framing.set_io_timeout(out, 1e-9)  # never zero: to the kernel that is no timeout at all
+    raw = out.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.calcsize("ll"))
+    assert struct.unpack("ll", raw) != (0, 0)
 
 
 def test_a_peer_that_stops_sending_mid_payload_fails_the_receive(pair) -> None:

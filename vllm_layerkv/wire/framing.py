@@ -131,7 +131,10 @@ def set_io_timeout(sock: socket.socket, seconds: float) -> None:
     payload with the GIL released throughout. Idle waits stay in ``wait_readable``."""
     sock.settimeout(None)
     whole = int(seconds)
-    timeval = struct.pack("ll", whole, int((seconds - whole) * 1e6))
+    micros = int((seconds - whole) * 1e6)
+    if whole == 0:
+        micros = max(micros, 1)  # a timeval of zero is no timeout at all to the kernel
+    timeval = struct.pack("ll", whole, micros)
     for opt in (socket.SO_SNDTIMEO, socket.SO_RCVTIMEO):
         sock.setsockopt(socket.SOL_SOCKET, opt, timeval)
 
