@@ -1323,16 +1323,20 @@ def c1_over_starts(summary: dict[str, Any], configs: list[Config], args: argpars
             if n in single:
                 point["ratio_to_single"] = round(
                     point["median_ttft_ms"] / single[n]["median_ttft_ms"], 3)
-            # a report's lengths are ints until the summary went through JSON
-            rows = [next((row for key, row in ideal.get("configs", {}).get(config.name, {})
-                          .get("points", {}).items() if str(key) == n), {})
-                    for ideal in ideals]
+            rows = [by_length(ideal, config.name).get(n, {}) for ideal in ideals]
             for key, name in (("ratio", "ideal"), ("engine_ratio", "engine")):
                 ratios = [row[key] for row in rows if row.get(key) is not None]
                 if ratios:
                     point[f"{name}_ratios"] = ratios
                     point[f"median_{name}_ratio"] = round(statistics.median(ratios), 3)
     return out
+
+
+def by_length(ideal: dict[str, Any], name: str) -> dict[str, Any]:
+    """One configuration's rows of an ideal report, by prompt length as a string (a report's
+    lengths are ints until the summary has gone through JSON)."""
+    points = ideal.get("configs", {}).get(name, {}).get("points", {})
+    return {str(n): row for n, row in points.items()}
 
 
 def log_over_starts(report: dict[str, Any]) -> None:
