@@ -46,6 +46,13 @@ Configurations (``--configs``):
                     host_bounce (auto) then moves KV through pinned host memory
   layerkv-nixl-tcp-direct  same with host_bounce=off (UCX moves GPU memory itself, over tcp)
   layerkv-nixl-tcp-serial  layerkv-nixl-tcp with writes_in_flight=1 (one bounce piece at a time)
+  layerkv-nixl-tcp-1w      layerkv-nixl-tcp with the settings before 2026-11-28: one UCX worker, 2
+                           bounce pieces in flight (nixl_num_threads 0, writes_in_flight and
+                           staging_buffers 2)
+  layerkv-nixl-tcp-mt      the same with 4 NIXL threads (each bounce piece over 4 UCX workers and
+                           connections)
+  layerkv-nixl-tcp-mt-deep the same with 4 threads and 4 pieces in flight: the defaults with
+                           host_bounce since 2026-11-28, named
   layerkv-mooncake-bounce  layerkv-mooncake with host_bounce=on
   layerkv-mooncake  same with transport=mooncake (Mooncake TransferEngine, protocol tcp)
   layerkv-router    LayerKV P + D behind vllm-router --kv-connector mooncake (the test extra's
@@ -374,6 +381,19 @@ LAYERKV_CONFIGS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
                                 {"UCX_TLS": "tcp,cuda_copy,self"}),
     "layerkv-nixl-tcp-serial": ({"transport": "nixl", "writes_in_flight": 1},
                                 {"UCX_TLS": "tcp,cuda_copy,self"}),
+    # settings through the environment, so that --probe-around probes the same path
+    "layerkv-nixl-tcp-1w": ({"transport": "nixl"}, {"UCX_TLS": "tcp,cuda_copy,self",
+                                                    "LAYERKV_NIXL_NUM_THREADS": "0",
+                                                    "LAYERKV_WRITES_IN_FLIGHT": "2",
+                                                    "LAYERKV_STAGING_BUFFERS": "2"}),
+    "layerkv-nixl-tcp-mt": ({"transport": "nixl"}, {"UCX_TLS": "tcp,cuda_copy,self",
+                                                    "LAYERKV_NIXL_NUM_THREADS": "4",
+                                                    "LAYERKV_WRITES_IN_FLIGHT": "2",
+                                                    "LAYERKV_STAGING_BUFFERS": "2"}),
+    "layerkv-nixl-tcp-mt-deep": ({"transport": "nixl"}, {"UCX_TLS": "tcp,cuda_copy,self",
+                                                         "LAYERKV_NIXL_NUM_THREADS": "4",
+                                                         "LAYERKV_WRITES_IN_FLIGHT": "4",
+                                                         "LAYERKV_STAGING_BUFFERS": "4"}),
     "layerkv-mooncake": ({"transport": "mooncake", "mooncake_protocol": "tcp"}, {}),
     "layerkv-mooncake-bounce": ({"transport": "mooncake", "mooncake_protocol": "tcp",
                                  "host_bounce": "on"}, {}),

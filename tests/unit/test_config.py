@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from vllm_layerkv.config import ConfigError, LayerKVConfig
+from vllm_layerkv.config import (
+    BOUNCE_NIXL_THREADS,
+    ConfigError,
+    LayerKVConfig,
+    nixl_threads,
+    pipeline_depth,
+)
 
 FIELDS = [f.name for f in dataclasses.fields(LayerKVConfig)]
 DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
@@ -187,9 +193,10 @@ def test_min_stages_above_max_stages() -> None:
     ({"min_prompt_tokens": -1}, "min_prompt_tokens"),
     ({"transport": "rdma"}, "transport"),
     ({"host": ""}, "host"),
-    ({"staging_buffers": 0}, "staging_buffers"),
+    ({"staging_buffers": -1}, "staging_buffers"),
+    ({"staging_buffers": 65}, "staging_buffers"),
     ({"recv_ring_slots": 65}, "recv_ring_slots"),
-    ({"writes_in_flight": 0}, "writes_in_flight"),
+    ({"writes_in_flight": -1}, "writes_in_flight"),
     ({"writes_in_flight": 65}, "writes_in_flight"),
 ])
 def test_bad_values_name_the_setting(extra: dict, name: str) -> None:
@@ -208,11 +215,25 @@ def test_transport_error_lists_the_choices() -> None:
     ({"mooncake_protocol": "udp"}, "mooncake_protocol"),
     ({"nixl_backends": ""}, "nixl_backends"),
     ({"nixl_backends": "UCX,,"}, "nixl_backends"),
-    ({"nixl_num_threads": -1}, "nixl_num_threads"),
+    ({"nixl_num_threads": -2}, "nixl_num_threads"),
 ])
 def test_bad_engine_settings_name_the_setting(extra: dict, name: str) -> None:
     with pytest.raises(ConfigError, match=name):
         LayerKVConfig.from_extra_config(extra)
+
+
+def test_the_pipeline_defaults_follow_host_bounce() -> None:
+    """Unset (the defaults), NIXL's threads and the staging pipeline depend on whether layer
+    groups go through host memory; a value set is kept as it is."""
+    c = LayerKVConfig()
+    assert (c.nixl_num_threads, c.staging_buffers, c.writes_in_flight) == (-1, 0, 0)
+    assert nixl_threads(c.nixl_num_threads, host_bounce=True) == BOUNCE_NIXL_THREADS == 4
+    assert nixl_threads(c.nixl_num_threads, host_bounce=False) == 0
+    assert pipeline_depth(c.staging_buffers, host_bounce=True) == 4
+    assert pipeline_depth(c.writes_in_flight, host_bounce=False) == 2
+    set_ = LayerKVConfig.from_extra_config({"nixl_num_threads": 0, "writes_in_flight": 1})
+    assert nixl_threads(set_.nixl_num_threads, host_bounce=True) == 0
+    assert pipeline_depth(set_.writes_in_flight, host_bounce=True) == 1
 
 
 def test_config_error_is_a_value_error() -> None:

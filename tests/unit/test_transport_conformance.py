@@ -29,12 +29,14 @@ import pytest
 import torch
 from kv_sides import (
     BLOCK_BYTES,
+    DSide,
     NUM_BLOCKS,
     NUM_LAYERS,
     PEER,
     SENTINEL,
     TIMEOUT,
     UNKNOWN_WAIT_S,
+    PSide,
     assert_copied,
     assert_sentinel,
     push,
@@ -48,7 +50,7 @@ from vllm_layerkv.tasks import Peer, RecvTask, SendTask
 from vllm_layerkv.testing import faults
 from vllm_layerkv.transport.direct import AddressedPeer, DirectWriteFailed, paired_runs
 from vllm_layerkv.transport.nixl import MAX_COALESCED_RUNS
-from vllm_layerkv.worker.sender import AbortTransfer, FinishTransfer, GroupSend
+from vllm_layerkv.worker.sender import AbortTransfer, FinishTransfer, GroupSend, Outgoing
 
 TRANSPORTS = os.environ.get("LAYERKV_TEST_TRANSPORTS",
                             "tcp,nixl,mooncake,nixl+bounce,mooncake+bounce").split(",")
@@ -434,6 +436,49 @@ def test_nixl_thread_pool_engine_is_byte_exact(d_side, p_side, transport) -> Non
         assert_copied(p, d, copied)
 
 
+@pytest.mark.parametrize("transport", ["nixl+bounce"])
+@pytest.mark.parametrize("threads", [4, -1])
+def test_nixl_thread_pool_splits_every_ring_write_among_its_threads(
+        d_side, p_side, transport, threads, monkeypatch) -> None:
+    """host_bounce with nixl_num_threads=4 (also the default there, -1): each ring WRITE is one
+    descriptor per thread (NIXL then moves each over its own UCX worker and connection), and
+    the blocks land byte exact."""
+    if transport not in TRANSPORTS:
+        pytest.skip(f"{transport} is not in LAYERKV_TEST_TRANSPORTS")
+    from vllm_layerkv.transport import nixl
+
+    descriptors: list[int] = []
+    cuts = nixl.span_cuts
+
+    def counting_cuts(nbytes: int, parts: int) -> list[tuple[int, int]]:
+        out = cuts(nbytes, parts)
+        descriptors.append(len(out))
+        return out
+
+    monkeypatch.setattr(nixl, "span_cuts", counting_cuts)
+    config = LayerKVConfig(nixl_num_threads=threads, staging_buffer_mb=8)
+    d, p, src, dst, _ = eight_mib_groups(d_side, p_side, config)
+    assert descriptors == [4, 4]  # one WRITE per group of 2 layers, 4 descriptors each
+    assert_copied(p, d, list(zip(src, dst)))
+
+
+def eight_mib_groups(d_side, p_side, config: LayerKVConfig
+                     ) -> tuple[DSide, PSide, list[int], list[int], Outgoing]:
+    """One transfer of 64 blocks of 64 KiB into D's blocks in reverse order, 2 layers x 64
+    blocks = 8 MiB a group, acked and reported on D: (d, p, src, dst, P's outgoing state)."""
+    block_bytes, num_blocks = 64 * 1024, 64
+    d = d_side(num_blocks=num_blocks, block_bytes=block_bytes)
+    p = p_side(num_blocks=num_blocks, block_bytes=block_bytes, config=config)
+    src = list(range(num_blocks))
+    dst = src[::-1]
+    d.table.expect(RecvTask("r", "t", dst))
+    push(p, [task("t", d, src, dst, req_id="r")])
+    out = p.wait_state("t", ["acked", "failed"], timeout=30)
+    assert out.state == "acked", out.reason
+    assert d.drain_until(lambda f, x: bool(f or x)) == ({"r"}, set())
+    return d, p, src, dst, out
+
+
 def test_many_concurrent_requests_from_three_engines(d_side, p_side) -> None:
     """3 prefill engines x 7 requests, each request 3 blocks in 2 chunks, all interleaved."""
     d = d_side()
@@ -633,18 +678,9 @@ def test_ring_writes_in_flight_are_bounded_and_land_byte_exact(d_side, p_side, t
     """A layer group larger than a staging buffer goes in pieces, ``writes_in_flight`` of them
     posted at once (never more, and more than one when allowed), each finished in order."""
     inflight = InFlight(monkeypatch)
-    block_bytes, num_blocks = 64 * 1024, 64  # 2 layers x 64 blocks = 8 MiB a group
-    d = d_side(num_blocks=num_blocks, block_bytes=block_bytes)
     config = LayerKVConfig(staging_buffer_mb=1, staging_buffers=3,
                            writes_in_flight=writes_in_flight)
-    p = p_side(num_blocks=num_blocks, block_bytes=block_bytes, config=config)
-    src = list(range(num_blocks))
-    dst = src[::-1]
-    d.table.expect(RecvTask("r", "t", dst))
-    push(p, [task("t", d, src, dst, req_id="r")])
-    out = p.wait_state("t", ["acked", "failed"], timeout=30)
-    assert out.state == "acked", out.reason
-    assert d.drain_until(lambda f, x: bool(f or x)) == ({"r"}, set())
+    d, p, src, dst, out = eight_mib_groups(d_side, p_side, config)
     assert out.frames == inflight.posted == inflight.finished == 16  # 2 groups x 8 MiB / 1 MiB
     assert inflight.most == writes_in_flight
     d_views, p_views = d.layout.host_block_views(), p.layout.host_block_views()

@@ -50,3 +50,26 @@ def test_a_host_memory_export_names_its_host_and_no_gpu() -> None:
         assert (ex.mem_type, ex.host_id, ex.device_uuid) == ("DRAM", host_id(), "")
     finally:
         plane.shutdown()
+
+
+@pytest.mark.parametrize(("nbytes", "parts", "expected"), [
+    (8 << 20, 4, [(0, 2 << 20), (2 << 20, 2 << 20), (4 << 20, 2 << 20), (6 << 20, 2 << 20)]),
+    (8 << 20, 1, [(0, 8 << 20)]),
+    (8 << 20, 0, [(0, 8 << 20)]),                      # no thread pool: one descriptor
+    (3 << 20, 8, [(0, 1 << 20), (1 << 20, 1 << 20), (2 << 20, 1 << 20)]),  # none below 1 MiB
+    (1000, 4, [(0, 1000)]),                            # a small write stays whole
+    (0, 4, [(0, 0)]),
+    ((5 << 20) + 3, 2, [(0, (5 << 20) // 2 + 2), ((5 << 20) // 2 + 2, (5 << 20) // 2 + 1)]),
+])
+def test_a_ring_write_is_cut_into_one_descriptor_per_thread(nbytes, parts, expected) -> None:
+    cuts = nixl.span_cuts(nbytes, parts)
+    assert cuts == expected
+    assert sum(n for _, n in cuts) == nbytes
+    assert all(off + n == nxt for (off, n), (nxt, _) in zip(cuts, cuts[1:]))
+
+
+def test_only_an_agent_with_ucx_alone_gets_threads() -> None:
+    assert nixl.ucx_threads(["UCX"], 4) == 4
+    assert nixl.ucx_threads([" UCX "], 4) == 4
+    assert nixl.ucx_threads(["UCX", "LIBFABRIC"], 4) == 0
+    assert nixl.ucx_threads(["LIBFABRIC"], 4) == 0

@@ -26,7 +26,10 @@ IPC, shared memory, TCP...).
   WRITE's reason says what to use instead (``ONE_GPU_HINT``).
 * ``host_bounce``: the same ring, in D's pinned host memory and offered to every sender; P
   writes every layer group into it from a registered pinned host buffer, so UCX moves host
-  memory only (DRAM -> DRAM). ``ucx_reaches_gpu`` decides "auto" from ``UCX_TLS``.
+  memory only (DRAM -> DRAM). ``ucx_reaches_gpu`` decides "auto" from ``UCX_TLS``. With NIXL's
+  thread pool (``nixl_num_threads``, 4 by default here) each ring WRITE is one descriptor per
+  thread, and NIXL moves each over its own UCX worker and connection: over UCX tcp one TCP
+  connection carries about 4 GB/s, a host's loopback several times that.
 
 NIXL's Python wrapper starts the agent's progress thread with a 0 us delay, which spins a core
 for ever (measured: 2 agents used 4 s of CPU per 2 s idle). The UCX progress thread waits on
@@ -47,6 +50,7 @@ import torch
 
 from vllm_layerkv.common.backoff import Backoff
 from vllm_layerkv.common.log import init_logger
+from vllm_layerkv.config import nixl_threads
 from vllm_layerkv.kv.staging import RecvRing
 from vllm_layerkv.transport.direct import (
     AddressedPeer,
@@ -70,6 +74,12 @@ MAX_COALESCED_RUNS = 16
 per-block prepared lists are used."""
 PROGRESS_DELAY_US = 100_000
 POLL_FIRST_S, POLL_MAX_S = 20e-6, 1e-3
+SPLIT_DESCRIPTORS = 1
+"""NIXL's thread-pool UCX engine (``nixl_num_threads`` > 0) splits a WRITE among its threads only
+from this many descriptors on (NIXL's default: 1,024). LayerKV's WRITEs carry a few large
+descriptors, so any WRITE of two or more is split."""
+MIN_CUT_BYTES = 1 << 20
+"""A ring WRITE is cut into one descriptor per NIXL thread, but no piece below this size."""
 ONE_GPU_HINT = ("P and D share one GPU, where UCX's cuda_ipc fails its copies between two "
                 "processes (NIXL_ERR_BACKEND); use transport=auto (CUDA IPC), or "
                 "UCX_TLS=tcp,cuda_copy,self (host_bounce)")
@@ -91,7 +101,8 @@ def _new_agent(name: str, backends: Sequence[str], num_threads: int = 0) -> Any:
     """A NIXL agent whose progress thread sleeps on events instead of spinning (see the module
     docstring): the wrapper hard-codes ``pthrDelay = 0``, so its binding is wrapped for the
     duration of this one construction. ``num_threads`` > 0: NIXL's thread-pool UCX engine, which
-    splits a transfer among that many worker threads once it has enough descriptors."""
+    splits a WRITE of several descriptors among that many worker threads (``SPLIT_DESCRIPTORS``),
+    each with its own UCX worker and connections."""
     api = nixl_api()
     bind = api.nixlBind
 
@@ -104,21 +115,44 @@ def _new_agent(name: str, backends: Sequence[str], num_threads: int = 0) -> Any:
             config.pthrDelay = PROGRESS_DELAY_US
             return bind.nixlAgent(agent_name, config)
 
-    # like NixlConnector: the thread count is a UCX engine setting, other backends get none
-    ucx_only = [b.strip() for b in backends] == ["UCX"]
-    config = api.nixl_agent_config(enable_prog_thread=True, backends=list(backends),
-                                   num_threads=num_threads if ucx_only else 0)
+    # The wrapper passes no engine setting but the thread count, so with threads the UCX
+    # engine is created here.
+    threads = ucx_threads(backends, num_threads)
+    config = api.nixl_agent_config(enable_prog_thread=True,
+                                   backends=[] if threads else list(backends))
     with _agent_lock:
         api.nixlBind = _Bind()
         try:
             agent = api.nixl_agent(name, config)
         finally:
             api.nixlBind = bind
+    if threads:
+        try:
+            agent.create_backend("UCX", {"num_threads": str(threads),
+                                         "split_batch_size": str(SPLIT_DESCRIPTORS)})
+        except Exception as e:  # noqa: BLE001 - nixl raises its own exception types
+            raise DirectUnavailable(f"NIXL's UCX engine with {threads} threads: {e}") from None
     missing = [b for b in backends if b not in agent.backends]
     if missing:
         raise DirectUnavailable(f"NIXL backend(s) {missing} unavailable; this NIXL has "
                                 f"{agent.get_plugin_list()}")
     return agent
+
+
+def ucx_threads(backends: Sequence[str], num_threads: int) -> int:
+    """The thread count an agent gets: like NixlConnector, a UCX engine setting; an agent with
+    other backends gets none."""
+    return num_threads if [b.strip() for b in backends] == ["UCX"] else 0
+
+
+def span_cuts(nbytes: int, parts: int) -> list[tuple[int, int]]:
+    """(offset, bytes) of a ring WRITE's descriptors: ``parts`` about equal pieces, none below
+    ``MIN_CUT_BYTES`` (a small write gains nothing from more connections), at least one."""
+    parts = max(1, min(parts, nbytes // MIN_CUT_BYTES))
+    if parts == 1:
+        return [(0, nbytes)]
+    step = -(-nbytes // parts)
+    return [(off, min(step, nbytes - off)) for off in range(0, nbytes, step)]
 
 
 GPU_REACHING_UCX_TLS = ("all", "ib", "rc", "rc_v", "rc_x", "rc_verbs", "rc_mlx5", "dc", "dc_x",
@@ -164,6 +198,8 @@ class NixlPeer(AddressedPeer):
         self._export = export
         self._mem, self._dev = _mem(self.local)
         self._io_timeout = plane.io_timeout
+        self._streams = max(1, plane.num_threads)
+        """Descriptors per ring WRITE: one per NIXL thread."""
         try:
             remote = self._agent.add_remote_agent(export.agent_metadata)
         except Exception as e:  # noqa: BLE001 - nixl raises its own exception types
@@ -192,12 +228,18 @@ class NixlPeer(AddressedPeer):
         self._post_and_wait(handle)
 
     def post_span(self, buffer: torch.Tensor, nbytes: int, remote_addr: int) -> Any:
+        """One WRITE of a staging buffer into D's ring slot, cut into one descriptor per NIXL
+        thread: each thread moves its piece over its own UCX worker and connection (over UCX
+        tcp one TCP stream carries about 4 GB/s, a host's loopback several times that)."""
         ex, a = self._export, self._agent
         local_mem, local_dev = _mem([buffer])
         remote_mem, remote_dev = ("DRAM", 0) if ex.ring_in_host else (ex.mem_type, ex.device_id)
+        cuts = span_cuts(nbytes, self._streams)
         try:
-            local = np.array([(buffer.data_ptr(), nbytes, local_dev)], dtype=np.uint64)
-            remote = np.array([(remote_addr, nbytes, remote_dev)], dtype=np.uint64)
+            local = np.array([(buffer.data_ptr() + off, n, local_dev) for off, n in cuts],
+                             dtype=np.uint64)
+            remote = np.array([(remote_addr + off, n, remote_dev) for off, n in cuts],
+                              dtype=np.uint64)
             handle = a.initialize_xfer("WRITE", a.get_xfer_descs(local, local_mem),
                                        a.get_xfer_descs(remote, remote_mem), self._remote)
         except Exception as e:  # noqa: BLE001 - nixl raises its own exception types
@@ -316,7 +358,9 @@ class NixlPlane(AddressedPlane):
         super().__init__(local, host_bounce)
         self.io_timeout = io_timeout
         """A WRITE that does not complete within it fails."""
-        self.agent = _new_agent(f"layerkv-{uuid.uuid4().hex[:12]}", backends, num_threads)
+        self.num_threads = ucx_threads(backends, num_threads)
+        """NIXL's UCX worker threads (0: one UCX worker, no thread pool)."""
+        self.agent = _new_agent(f"layerkv-{uuid.uuid4().hex[:12]}", backends, self.num_threads)
         """This worker's NIXL agent, shared by its peers."""
         self._mem, self._dev = _mem(self.local)
         regions = [(addr, size, self._dev, "") for addr, size in memory_regions(self.local)]
@@ -335,7 +379,8 @@ class NixlPlane(AddressedPlane):
     def from_config(cls, local: Sequence[torch.Tensor], config: LayerKVConfig,
                     host_bounce: bool) -> NixlPlane:
         return cls(local, backends=config.nixl_backends.split(","),
-                   io_timeout=config.io_timeout_s, num_threads=config.nixl_num_threads,
+                   io_timeout=config.io_timeout_s,
+                   num_threads=nixl_threads(config.nixl_num_threads, host_bounce),
                    host_bounce=host_bounce)
 
     def prepare(self) -> None:

@@ -32,7 +32,7 @@ import torch
 from vllm_layerkv.common.log import init_logger
 from vllm_layerkv.common.threads import start_thread
 from vllm_layerkv.common.trace import Tracer
-from vllm_layerkv.config import LayerKVConfig
+from vllm_layerkv.config import LayerKVConfig, pipeline_depth
 from vllm_layerkv.counters import WorkerStats
 from vllm_layerkv.kv import fused_copy, staging, tp
 from vllm_layerkv.kv.blockio import BlockIO
@@ -173,9 +173,10 @@ class SenderTuning:
     """How head slices go when the decode peer's TP differs (``LayerKVConfig.tp_staging``)."""
     staging_bytes: int = 64 << 20
     """One staging buffer, in bytes."""
-    staging_buffers: int = 2
-    writes_in_flight: int = 2
-    """Ring writes kept in flight (at most one per staging buffer)."""
+    staging_buffers: int = 0
+    """0: ``config.pipeline_depth`` for the transport (4 with host_bounce, else 2)."""
+    writes_in_flight: int = 0
+    """Ring writes kept in flight (at most one per staging buffer); 0 as above."""
 
     @classmethod
     def from_config(cls, config: LayerKVConfig) -> SenderTuning:
@@ -189,8 +190,10 @@ class SenderTuning:
 class Sender:
     def __init__(self, parts: SenderParts, tuning: SenderTuning) -> None:
         self._tp_staging = tuning.tp_staging
-        self._staging_shape = (tuning.staging_buffers, tuning.staging_bytes)
-        self._writes_in_flight = max(1, min(tuning.writes_in_flight, tuning.staging_buffers))
+        bounce = parts.transport.host_bounce
+        buffers = pipeline_depth(tuning.staging_buffers, bounce)
+        self._staging_shape = (buffers, tuning.staging_bytes)
+        self._writes_in_flight = min(pipeline_depth(tuning.writes_in_flight, bounce), buffers)
         self._staging: staging.StagingPool | None = None
         """Made at start-up with ``host_bounce``, else on the first head-slice send (equal TP
         over a GPU-direct path never pays for it)."""
