@@ -605,6 +605,24 @@ def test_probe_around_probes_the_configuration_s_transport_on_its_gpus(
     assert cmd[cmd.index("--dtype") + 1] == "bfloat16"
 
 
+@pytest.mark.parametrize("name, settings", [
+    ("layerkv-nixl-tcp-1w", {"LAYERKV_NIXL_NUM_THREADS": "0", "LAYERKV_WRITES_IN_FLIGHT": "2",
+                             "LAYERKV_STAGING_BUFFERS": "2"}),
+    ("layerkv-nixl-tcp-mt-deep", {"LAYERKV_NIXL_NUM_THREADS": "4",
+                                  "LAYERKV_WRITES_IN_FLIGHT": "4"}),
+    ("layerkv-nixl-tcp-serial", {"LAYERKV_WRITES_IN_FLIGHT": "1"}),
+    ("layerkv-nixl-tcp-direct", {"LAYERKV_HOST_BOUNCE": "off"}),
+])
+def test_a_configuration_s_transport_settings_reach_its_link_probes(name, settings) -> None:
+    """The link probe reads LayerKV's settings from its environment, so a configuration that
+    changes the transport's path sets them there (P and D get the same environment)."""
+    env = ttft_bench.config_env(ttft_bench.parse_config(name), "cuda")
+    assert {k: env.get(k) for k in settings} == settings
+    assert env["UCX_TLS"] == "tcp,cuda_copy,self"
+    kv_extra = ttft_bench.LAYERKV_CONFIGS[name][0]
+    assert set(kv_extra) == {"transport"}
+
+
 def test_probe_around_on_cpu_is_refused_with_what_to_use_instead(tmp_path, capsys) -> None:
     with pytest.raises(SystemExit):
         ttft_bench.parse_args(["--device", "cpu", "--model", "/m", "--configs", "layerkv",
