@@ -361,6 +361,17 @@ def start_servers(deployment: Deployment, args: argparse.Namespace) -> None:
         start_all(servers, timeout=args.start_timeout)
 
 
+UCX_TCP = {"UCX_TLS": "tcp,cuda_copy,self"}
+"""UCX over tcp only: NIXL (LayerKV's and NixlConnector's) then moves KV through host memory."""
+
+
+def bounce_env(threads: int, in_flight: int) -> dict[str, str]:
+    """LayerKV's host_bounce settings in P's and D's environment: NIXL threads, and pieces in
+    flight with as many staging buffers."""
+    return {"LAYERKV_NIXL_NUM_THREADS": str(threads), "LAYERKV_WRITES_IN_FLIGHT": str(in_flight),
+            "LAYERKV_STAGING_BUFFERS": str(in_flight)}
+
+
 AUTH_SECRET = secrets.token_hex(16)
 """The shared secret of the ``-auth`` configurations: a random one per run, handed to P and D
 through their environment, never written to a log or the summary."""
@@ -376,24 +387,14 @@ LAYERKV_CONFIGS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
     "layerkv-reads": ({"cuda_ipc_reads": True}, {}),
     "layerkv-ft": ({}, {}),
     "layerkv-nixl": ({"transport": "nixl"}, {}),
-    "layerkv-nixl-tcp": ({"transport": "nixl"}, {"UCX_TLS": "tcp,cuda_copy,self"}),
+    "layerkv-nixl-tcp": ({"transport": "nixl"}, UCX_TCP),
     # settings through the environment, so that --probe-around probes the same path
-    "layerkv-nixl-tcp-direct": ({"transport": "nixl"}, {"UCX_TLS": "tcp,cuda_copy,self",
-                                                        "LAYERKV_HOST_BOUNCE": "off"}),
-    "layerkv-nixl-tcp-serial": ({"transport": "nixl"}, {"UCX_TLS": "tcp,cuda_copy,self",
+    "layerkv-nixl-tcp-direct": ({"transport": "nixl"}, {**UCX_TCP, "LAYERKV_HOST_BOUNCE": "off"}),
+    "layerkv-nixl-tcp-serial": ({"transport": "nixl"}, {**UCX_TCP,
                                                         "LAYERKV_WRITES_IN_FLIGHT": "1"}),
-    "layerkv-nixl-tcp-1w": ({"transport": "nixl"}, {"UCX_TLS": "tcp,cuda_copy,self",
-                                                    "LAYERKV_NIXL_NUM_THREADS": "0",
-                                                    "LAYERKV_WRITES_IN_FLIGHT": "2",
-                                                    "LAYERKV_STAGING_BUFFERS": "2"}),
-    "layerkv-nixl-tcp-mt": ({"transport": "nixl"}, {"UCX_TLS": "tcp,cuda_copy,self",
-                                                    "LAYERKV_NIXL_NUM_THREADS": "4",
-                                                    "LAYERKV_WRITES_IN_FLIGHT": "2",
-                                                    "LAYERKV_STAGING_BUFFERS": "2"}),
-    "layerkv-nixl-tcp-mt-deep": ({"transport": "nixl"}, {"UCX_TLS": "tcp,cuda_copy,self",
-                                                         "LAYERKV_NIXL_NUM_THREADS": "4",
-                                                         "LAYERKV_WRITES_IN_FLIGHT": "4",
-                                                         "LAYERKV_STAGING_BUFFERS": "4"}),
+    "layerkv-nixl-tcp-1w": ({"transport": "nixl"}, {**UCX_TCP, **bounce_env(0, 2)}),
+    "layerkv-nixl-tcp-mt": ({"transport": "nixl"}, {**UCX_TCP, **bounce_env(4, 2)}),
+    "layerkv-nixl-tcp-mt-deep": ({"transport": "nixl"}, {**UCX_TCP, **bounce_env(4, 4)}),
     "layerkv-mooncake": ({"transport": "mooncake", "mooncake_protocol": "tcp"}, {}),
     "layerkv-mooncake-bounce": ({"transport": "mooncake", "mooncake_protocol": "tcp",
                                  "host_bounce": "on"}, {}),
@@ -430,7 +431,7 @@ def nixl_server(config: Config, role: str, device: str
 def config_env(config: Config, device: str) -> dict[str, str]:
     """The environment P and D of a configuration get (UCX's transports, the shared secret)."""
     if config.family in ("nixl", "nixl-tcp") or config.connector == "nixl":
-        env = {"UCX_TLS": "tcp,cuda_copy,self"} if config.family == "nixl-tcp" else {}
+        env = dict(UCX_TCP) if config.family == "nixl-tcp" else {}
         return {**env, "UCX_TLS": "tcp"} if device == "cpu" else env
     if config.family in LAYERKV_CONFIGS:
         env = dict(LAYERKV_CONFIGS[config.family][1])
