@@ -226,12 +226,14 @@ def test_decode_abort_while_waiting_frees_both_sides(cluster: PDCluster, no_leak
     assert time.monotonic() - t < 8
 
 
-def test_prefill_abort_mid_stream_fails_decode_cleanly(cluster: PDCluster,
-                                                       no_leaks: None) -> None:
-    """P's client disconnects while a long prefill streams: P aborts the transfer and D fails
-    its request at once (well before the 45 s timeout)."""
+ABORT_ATTEMPTS = 3
+"""Tries of the prefill-abort test: one counts only if the disconnect reached P mid-prompt."""
+
+
+def _disconnect_p_mid_stream(cluster: PDCluster, prompt: str) -> dict[str, Any]:
+    """Send D's request, then P's over a raw socket that is closed once P has streamed the
+    transfer's first chunk. Returns D's answer and what P's trace shows of the transfer."""
     tid = uuid.uuid4().hex
-    prompt = make_prompt(2800, 11)  # ~3,600 tokens: ~14 chunks of 256 on P
     result: dict[str, Any] = {}
 
     def decode() -> None:
@@ -261,14 +263,44 @@ def test_prefill_abort_mid_stream_fails_decode_cleanly(cluster: PDCluster,
         plans = [e["step"] for e in cluster.trace_events()
                  if e["ev"] == "step_plan" and tid in e.get("transfer_ids", [])]
         time.sleep(0.05)
+    closed_at = time.monotonic()
     sock.close()
     th.join(60)
-    assert plans, "P's trace never showed the transfer streaming"
+    events = cluster.trace_events()  # its times are this machine's monotonic clock
+    return {**result, "plans_before_close": plans,
+            "steps_after_close": sum(e["ev"] == "step_plan" and tid in e["transfer_ids"]
+                                     and e["t"] > closed_at for e in events),
+            "done_sent": any(e["ev"] == "transfer_done_sent" and e.get("transfer_id") == tid
+                             for e in events)}
+
+
+def test_prefill_abort_mid_stream_fails_decode_cleanly(cluster: PDCluster,
+                                                       no_leaks: None) -> None:
+    """P's client disconnects while a long prefill streams: P aborts the transfer and D fails
+    its request at once (well before the 45 s timeout).
+
+    Whether the disconnect reaches P's engine before it has computed the prompt is up to the
+    machine (vLLM's API server notices it, then the engine aborts the request between steps;
+    on a loaded 2-core machine that has taken longer than the whole prompt). A try in which P
+    finished the prompt and sent the transfer complete proves nothing about the abort, so it
+    is tried again, up to ABORT_ATTEMPTS times; the first try in which P stopped mid-stream is
+    the one checked."""
+    tries: list[dict[str, Any]] = []
+    for attempt in range(ABORT_ATTEMPTS):
+        # a new prompt each time: P's and D's prefix caches hold the last one
+        prompt = make_prompt(2800, 11 + attempt)  # ~3,100 tokens: 13 chunks of 256 on P
+        tries.append(_disconnect_p_mid_stream(cluster, prompt))
+        assert tries[-1]["plans_before_close"], "P's trace never showed the transfer streaming"
+        if not tries[-1]["done_sent"]:
+            break
+    result = tries[-1]
+    assert not result["done_sent"], (
+        f"in {ABORT_ATTEMPTS} tries P computed the whole prompt before the client's disconnect "
+        "reached it (its trace shows the transfer completed); D's status, seconds, and P's "
+        "steps after the disconnect: " + str([(t.get("status"), round(t.get("elapsed", -1), 1),
+                                               t["steps_after_close"]) for t in tries]))
     assert result.get("status", 0) >= 500, result
     assert result["elapsed"] < 30, result
-    # P stopped mid-stream: it never told D the transfer was complete
-    assert not any(e["ev"] == "transfer_done_sent" and e.get("transfer_id") == tid
-                   for e in cluster.trace_events())
 
 
 def test_transfer_error_fails_decode_at_once(cluster: PDCluster, no_leaks: None) -> None:
