@@ -159,10 +159,14 @@ def make_layout(spec: dict[str, Any], num_blocks: int, filled: bool) -> Any:
 
 def transport_config(spec: dict[str, Any]) -> Any:
     """The transport's settings as an instance reads them: the environment's ``LAYERKV_*``
-    variables under the probed ``transport``."""
+    variables under the probed ``transport``. A worker's process-wide one, the GIL switch
+    interval, is set here as a worker sets it."""
+    from vllm_layerkv.common.threads import set_switch_interval
     from vllm_layerkv.config import LayerKVConfig
 
-    return LayerKVConfig.from_extra_config({"transport": spec["transport"]})
+    config = LayerKVConfig.from_extra_config({"transport": spec["transport"]})
+    set_switch_interval(config.gil_switch_interval_ms)
+    return config
 
 
 def run_d(spec: dict[str, Any]) -> dict[str, Any]:

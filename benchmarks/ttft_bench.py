@@ -53,6 +53,8 @@ Configurations (``--configs``):
                            connections)
   layerkv-nixl-tcp-mt-deep the same with 4 threads and 4 pieces in flight: the defaults with
                            host_bounce since 2026-11-28, named
+  layerkv-nixl-tcp-gil     layerkv-nixl-tcp with gil_switch_interval_ms=0.5 in P's and D's
+                           workers (Python's default is 5 ms)
   layerkv-mooncake-bounce  layerkv-mooncake with host_bounce=on
   layerkv-mooncake  same with transport=mooncake (Mooncake TransferEngine, protocol tcp)
   layerkv-router    LayerKV P + D behind vllm-router --kv-connector mooncake (the test extra's
@@ -395,6 +397,8 @@ LAYERKV_CONFIGS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
     "layerkv-nixl-tcp-1w": ({"transport": "nixl"}, {**UCX_TCP, **bounce_env(0, 2)}),
     "layerkv-nixl-tcp-mt": ({"transport": "nixl"}, {**UCX_TCP, **bounce_env(4, 2)}),
     "layerkv-nixl-tcp-mt-deep": ({"transport": "nixl"}, {**UCX_TCP, **bounce_env(4, 4)}),
+    "layerkv-nixl-tcp-gil": ({"transport": "nixl"}, {**UCX_TCP,
+                                                     "LAYERKV_GIL_SWITCH_INTERVAL_MS": "0.5"}),
     "layerkv-mooncake": ({"transport": "mooncake", "mooncake_protocol": "tcp"}, {}),
     "layerkv-mooncake-bounce": ({"transport": "mooncake", "mooncake_protocol": "tcp",
                                  "host_bounce": "on"}, {}),

@@ -212,6 +212,13 @@ class LayerKVConfig:
     otherwise starve each other. "off": a fixed 2 ms wait per empty worker step. "auto": on for
     CPU instances, off on GPUs (where it would delay a request arriving at an idle engine)."""
 
+    gil_switch_interval_ms: float = 0.0
+    """Workers: Python's GIL switch interval in the worker process, in ms (``sys.
+    setswitchinterval``); 0 leaves Python's 5 ms. LayerKV's sender and receiver threads block
+    several times per piece of KV, and after each they wait for the GIL while vLLM's engine
+    thread runs Python, up to this long. Shorter hands the GIL over sooner, for every thread of
+    the process. Off by default: its effect on a serving instance is not measured."""
+
     # --- security: authentication (docs/security.md) -----------------------------------
     # (authentication settings go here)
     auth_secret_file: str = ""
@@ -370,6 +377,9 @@ class LayerKVConfig:
              f"remote_prefill_fallback={self.remote_prefill_fallback!r}: use local or fail")
         need(self.idle_backoff in ("auto", "on", "off"),
              f"idle_backoff={self.idle_backoff!r}: use auto, on or off")
+        need(0 <= self.gil_switch_interval_ms <= 100,
+             f"gil_switch_interval_ms={self.gil_switch_interval_ms} must be between 0 and 100 "
+             "(0 = Python's default, 5 ms)")
         need(self.tcp_pacing_gbps >= 0,
              f"tcp_pacing_gbps={self.tcp_pacing_gbps} must be >= 0 (0 = no pacing)")
         need(1 <= self.recv_ring_slots <= 64,

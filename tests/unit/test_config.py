@@ -198,6 +198,9 @@ def test_min_stages_above_max_stages() -> None:
     ({"recv_ring_slots": 65}, "recv_ring_slots"),
     ({"writes_in_flight": -1}, "writes_in_flight"),
     ({"writes_in_flight": 65}, "writes_in_flight"),
+    ({"gil_switch_interval_ms": -1}, "gil_switch_interval_ms"),
+    ({"gil_switch_interval_ms": 101}, "gil_switch_interval_ms"),
+    ({"gil_switch_interval_ms": float("nan")}, "gil_switch_interval_ms"),
 ])
 def test_bad_values_name_the_setting(extra: dict, name: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(name)):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import queue
+import sys
 import threading
 import time
 
@@ -153,6 +154,16 @@ def test_discovery_returns_the_registration_endpoint(engines) -> None:
     import socket
     socket.create_connection((host, int(port)), timeout=2).close()  # it is listening
     assert_all_empty(p)
+
+
+def test_a_worker_sets_the_gil_switch_interval_it_is_given(engines) -> None:
+    """gil_switch_interval_ms reaches the worker's process (here, this one)."""
+    before = sys.getswitchinterval()
+    try:
+        engines("kv_producer", {"gil_switch_interval_ms": 0.25})
+        assert sys.getswitchinterval() == pytest.approx(0.25e-3)
+    finally:
+        sys.setswitchinterval(before)
 
 
 # ----------------------------------------------------------------------------- happy path

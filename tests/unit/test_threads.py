@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_layerkv.common.threads import kernel_name, start_thread
+from vllm_layerkv.common.threads import kernel_name, set_switch_interval, start_thread
 from vllm_layerkv.scheduler.registrar import RegistrationServer
 from vllm_layerkv.worker import prefill as prefill_worker
 
@@ -82,3 +82,19 @@ def test_traced_steps_get_timing_events(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(torch, "cuda", fake_cuda)
     assert prefill_worker._new_event("cuda", timing=True) is not None
     assert made == [{"blocking": True, "enable_timing": True}]
+
+
+def test_the_switch_interval_is_set_for_the_process_and_zero_leaves_it() -> None:
+    """gil_switch_interval_ms: a worker sets Python's GIL switch interval for its process; 0
+    (the default) leaves it."""
+    before = sys.getswitchinterval()
+    try:
+        assert set_switch_interval(0) is None
+        assert sys.getswitchinterval() == before
+        assert set_switch_interval(0.5) == pytest.approx(before * 1e3)
+        assert sys.getswitchinterval() == pytest.approx(0.5e-3)
+        seen: list[float] = []
+        start_thread(lambda: seen.append(sys.getswitchinterval()), "layerkv-probe").join(5)
+        assert seen == [pytest.approx(0.5e-3)]  # the whole process, every thread
+    finally:
+        sys.setswitchinterval(before)

@@ -612,6 +612,7 @@ def test_probe_around_probes_the_configuration_s_transport_on_its_gpus(
                                   "LAYERKV_WRITES_IN_FLIGHT": "4"}),
     ("layerkv-nixl-tcp-serial", {"LAYERKV_WRITES_IN_FLIGHT": "1"}),
     ("layerkv-nixl-tcp-direct", {"LAYERKV_HOST_BOUNCE": "off"}),
+    ("layerkv-nixl-tcp-gil", {"LAYERKV_GIL_SWITCH_INTERVAL_MS": "0.5"}),
 ])
 def test_a_configuration_s_transport_settings_reach_its_link_probes(name, settings) -> None:
     """The link probe reads LayerKV's settings from its environment, so a configuration that

@@ -6,7 +6,10 @@ its process: every thread of a vLLM engine reads "VLLM::EngineCor". Under load o
 thread of P's engine other than its main one used 0.75 of a core, and nothing could tell
 whether it was LayerKV's sender or vLLM's own (benchmarks/results/2026-11-26-x2-h200). So
 each LayerKV thread also names itself in the kernel, as ``lkv-...`` cut to the 15 bytes the
-kernel keeps."""
+kernel keeps.
+
+The process's GIL switch interval is set here too (``set_switch_interval``): how long a LayerKV
+thread that wants the GIL back waits while another thread runs Python."""
 
 from __future__ import annotations
 
@@ -55,3 +58,22 @@ def start_thread(target: Callable[..., Any], name: str, *args: Any) -> threading
     thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
     return thread
+
+
+def set_switch_interval(ms: float) -> float | None:
+    """Set the process's GIL switch interval (``sys.setswitchinterval``) to ``ms``; 0 leaves
+    it. Returns the interval it replaced, in ms, or None when it left it.
+
+    A thread that waits for the GIL while another runs Python gets it only once that one has
+    run for the interval (Python's default is 5 ms). A ring piece through host memory takes
+    the sender's GIL after each of its blocking steps (the grant, the copy, the post, every
+    completion poll, the report), so beside an engine thread that runs Python each step can
+    cost up to the interval: one thread spinning in Python beside the sender cut LayerKV's
+    link probe of NIXL over UCX tcp from 5 GB/s to 0.4 GB/s on 2 x H200. A shorter interval
+    hands the GIL over sooner, at the cost of more switches between every thread of the
+    process."""
+    if ms <= 0:
+        return None
+    previous = sys.getswitchinterval() * 1e3
+    sys.setswitchinterval(ms / 1e3)
+    return previous

@@ -13,6 +13,7 @@ import torch
 
 from vllm_layerkv.common.backoff import Backoff
 from vllm_layerkv.common.log import init_logger
+from vllm_layerkv.common.threads import set_switch_interval
 from vllm_layerkv.common.trace import Tracer
 from vllm_layerkv.compat import device_type, kv_groups, tp_rank_and_size
 from vllm_layerkv.config import LayerKVConfig
@@ -70,6 +71,10 @@ class LayerKVWorker:
         self._idle_wait = Backoff(IDLE_WAIT_S, IDLE_WAIT_MAX_S if config.backs_off_when_idle(
             device_type(vllm_config)) else IDLE_WAIT_S)
         """The wait grows only with idle_backoff on (CPU instances by default)."""
+        previous = set_switch_interval(config.gil_switch_interval_ms)
+        if previous is not None:
+            logger.info("LayerKV: GIL switch interval %.3g ms in this worker process, was %.3g "
+                        "ms (gil_switch_interval_ms)", config.gil_switch_interval_ms, previous)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         groups = kv_groups(self._kv_cache_config)
