@@ -101,10 +101,18 @@ def test_prompt_logprobs_are_served_by_prefill_alone(cluster: PDCluster, no_leak
 # ------------------------------------------------------------------------- it streams
 
 
+def stream_one_prompt(cluster: PDCluster, seed: int) -> None:
+    """One long prompt of its own through the proxy (P computes it in several chunks): what a
+    test reads from P's trace, metrics or log does not depend on the tests before it."""
+    assert cluster.proxy is not None
+    complete(cluster.proxy.url, make_prompt(600, seed=seed), max_tokens=2)
+
+
 def test_kv_streams_by_layer_group_during_prefill(cluster: PDCluster) -> None:
     """From the connector's own trace: in a prefill step of a long prompt, more than one layer
     group was sent, and the first group's send started before the step's last layer ran
     (the last group is enqueued by the last layer's hook)."""
+    stream_one_prompt(cluster, seed=7901)
     events = cluster.trace_events()
     by_step: dict[int, list[dict[str, Any]]] = {}
     for e in events:
@@ -125,6 +133,7 @@ def test_kv_streams_by_layer_group_during_prefill(cluster: PDCluster) -> None:
 
 
 def test_transfer_metrics_exported(cluster: PDCluster) -> None:
+    stream_one_prompt(cluster, seed=7902)
     _, p_text = get_text(cluster.prefill.url + "/metrics")
     _, d_text = get_text(cluster.decode.url + "/metrics")
     sent = metric(p_text, "vllm:layerkv_bytes_sent_total")
@@ -133,8 +142,12 @@ def test_transfer_metrics_exported(cluster: PDCluster) -> None:
     assert metric(p_text, "vllm:layerkv_groups_sent_total") > metric(
         p_text, "vllm:layerkv_transfers_sent_total")
     assert metric(p_text, "vllm:layerkv_exposed_transfer_seconds_count") > 0
-    log = cluster.prefill.log_path.read_text()
-    assert "KV Transfer metrics" in log and "avg exposed transfer (ms)" in log
+    # vLLM logs the connector's stats every 10 s, for the interval that ended
+    deadline = time.monotonic() + 25
+    while "avg exposed transfer (ms)" not in (log := cluster.prefill.log_path.read_text()):
+        assert time.monotonic() < deadline, "P never logged its KV transfer metrics"
+        time.sleep(0.5)
+    assert "KV Transfer metrics" in log
 
 
 # ------------------------------------------------------------------------- authentication
