@@ -279,12 +279,22 @@ def _disconnect_p_mid_stream(cluster: PDCluster, prompt: str) -> dict[str, Any]:
     closed_at = time.monotonic()
     sock.close()
     th.join(60)
+
+    def done_sent(events: list[dict[str, Any]]) -> bool:
+        return any(e["ev"] == "transfer_done_sent" and e.get("transfer_id") == tid
+                   for e in events)
+
     events = cluster.trace_events()  # its times are this machine's monotonic clock
+    # P's sender traces the completion after sending it: if D already answered, give the
+    # trace a moment to catch up before judging the try
+    wait_until = time.monotonic() + 5
+    while result.get("status") == 200 and not done_sent(events) and time.monotonic() < wait_until:
+        time.sleep(0.1)
+        events = cluster.trace_events()
     return {**result, "plans_before_close": plans,
             "steps_after_close": sum(e["ev"] == "step_plan" and tid in e["transfer_ids"]
                                      and e["t"] > closed_at for e in events),
-            "done_sent": any(e["ev"] == "transfer_done_sent" and e.get("transfer_id") == tid
-                             for e in events)}
+            "done_sent": done_sent(events)}
 
 
 def test_prefill_abort_mid_stream_fails_decode_cleanly(cluster: PDCluster,
