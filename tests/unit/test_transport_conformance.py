@@ -48,6 +48,7 @@ from vllm_layerkv.config import LayerKVConfig
 from vllm_layerkv.kv.blockio import block_runs
 from vllm_layerkv.tasks import Peer, RecvTask, SendTask
 from vllm_layerkv.testing import faults
+from vllm_layerkv.transport import tcp_channel
 from vllm_layerkv.transport.direct import AddressedPeer, DirectWriteFailed, paired_runs
 from vllm_layerkv.transport.nixl import MAX_COALESCED_RUNS
 from vllm_layerkv.worker.sender import AbortTransfer, FinishTransfer, GroupSend, Outgoing
@@ -666,6 +667,24 @@ class InFlight:
         monkeypatch.setattr(AddressedPeer, "finish_staged", counting_finish)
 
 
+def push_all_then_send(p, monkeypatch, tasks, groups) -> None:
+    """``push``, with the sender held until every item is queued: it never finds its queue
+    empty in between (where it would land its writes while it waits). And a grant slower than
+    usual (a loaded machine) does not make it land its oldest write early either: that is
+    for a grant that waits for a ring slot, which these tests' rings always have."""
+    monkeypatch.setattr(tcp_channel, "GRANT_PATIENCE_S", 1.0)
+    gate = threading.Event()
+    send_group = p.sender._send_group
+
+    def held(item) -> None:
+        gate.wait(TIMEOUT)
+        send_group(item)
+
+    monkeypatch.setattr(p.sender, "_send_group", held)
+    push(p, tasks, groups=groups)
+    gate.set()
+
+
 BOUNCED = [t for t in TRANSPORTS if t.endswith("+bounce")] or ["nixl+bounce"]
 """Transports whose whole blocks go through D's ring (the pipelined path)."""
 
@@ -676,8 +695,11 @@ def test_ring_writes_in_flight_are_bounded_and_land_byte_exact(d_side, p_side, t
                                                                writes_in_flight,
                                                                monkeypatch) -> None:
     """A layer group larger than a staging buffer goes in pieces, ``writes_in_flight`` of them
-    posted at once (never more, and more than one when allowed), each finished in order."""
+    posted at once (never more, and more than one when allowed), each finished in order. The
+    writes report done only when waited for (Mooncake's are done when posted, and the sender
+    lands a write as soon as it is done), so the count does not depend on the transport."""
     inflight = InFlight(monkeypatch)
+    monkeypatch.setattr(AddressedPeer, "staged_done", lambda peer, write: False)
     config = LayerKVConfig(staging_buffer_mb=1, staging_buffers=3,
                            writes_in_flight=writes_in_flight)
     d, p, src, dst, out = eight_mib_groups(d_side, p_side, config)
@@ -689,12 +711,42 @@ def test_ring_writes_in_flight_are_bounded_and_land_byte_exact(d_side, p_side, t
 
 
 @pytest.mark.parametrize("transport", BOUNCED)
+def test_ring_writes_stay_in_flight_from_one_layer_group_to_the_next(d_side, p_side, transport,
+                                                                   monkeypatch) -> None:
+    """Four one-layer groups, one staging buffer each: the sender posts the next group's write
+    while the earlier ones are in flight (up to ``writes_in_flight``), not one group at a time,
+    and they still land byte-exact and before TransferDone. The writes report done only when
+    waited for, so the count does not depend on the loopback's speed."""
+    inflight = InFlight(monkeypatch)
+    monkeypatch.setattr(AddressedPeer, "staged_done", lambda peer, write: False)
+    block_bytes, num_blocks = 64 * 1024, 16  # 1 MiB per layer = one staging buffer
+    d = d_side(num_blocks=num_blocks, block_bytes=block_bytes)
+    config = LayerKVConfig(staging_buffer_mb=1, staging_buffers=3, writes_in_flight=3)
+    p = p_side(num_blocks=num_blocks, block_bytes=block_bytes, config=config)
+    src = list(range(num_blocks))
+    dst = src[::-1]
+    d.table.expect(RecvTask("r", "t", dst))
+    push_all_then_send(p, monkeypatch, [task("t", d, src, dst, req_id="r")],
+                       groups=[(0,), (1,), (2,), (3,)])
+    out = p.wait_state("t", ["acked", "failed"], timeout=30)
+    assert out.state == "acked", out.reason
+    assert inflight.posted == inflight.finished == 4 and inflight.most == 3
+    assert out.writes_posted == 0
+    assert d.drain_until(lambda f, x: bool(f or x)) == ({"r"}, set())
+    d_views, p_views = d.layout.host_block_views(), p.layout.host_block_views()
+    for layer in range(NUM_LAYERS):
+        assert (d_views[layer][dst] == p_views[layer][src]).all(), f"layer {layer}"
+
+
+@pytest.mark.parametrize("transport", BOUNCED)
 def test_more_writes_in_flight_than_ring_slots_do_not_deadlock(d_side, p_side, transport,
                                                                monkeypatch) -> None:
     """D's ring has one slot, P keeps up to three writes in flight: P's next grant waits for
     the slot its own oldest write holds, so P finishes that write while it waits, and D keeps
-    reading P's reports while the grant waits (neither side blocks the other)."""
+    reading P's reports while the grant waits (neither side blocks the other). P's writes
+    report done only when waited for, so P holds them until it must."""
     inflight = InFlight(monkeypatch)
+    monkeypatch.setattr(AddressedPeer, "staged_done", lambda peer, write: False)
     block_bytes, num_blocks = 64 * 1024, 64
     d = d_side(num_blocks=num_blocks, block_bytes=block_bytes, ring_slots=1)
     config = LayerKVConfig(staging_buffer_mb=1, staging_buffers=3, writes_in_flight=3)
@@ -739,6 +791,49 @@ def test_failed_post_with_writes_in_flight_fails_the_transfer_and_frees_everythi
     d.table.expect(RecvTask("r2", "t2", [3]))
     push(p, [task("t2", d, [3], [3], req_id="r2")])
     assert p.wait_state("t2", ["acked", "failed"]).state == "acked"
+
+
+@pytest.mark.parametrize("transport", BOUNCED)
+def test_a_write_that_fails_to_land_fails_only_its_transfer(d_side, p_side, transport,
+                                                            monkeypatch) -> None:
+    """Two transfers share each one-layer group, and their writes are in flight together: the
+    second write to land (transfer b's first) fails. b fails on both sides, a is acked byte
+    for byte, and every staging buffer and ring slot is free afterwards."""
+    inflight = InFlight(monkeypatch)
+    monkeypatch.setattr(AddressedPeer, "staged_done", lambda peer, write: False)
+    finish = AddressedPeer.finish_staged
+    landed = []
+
+    def failing_second(peer: AddressedPeer, write):
+        landed.append(write)
+        if len(landed) == 2:
+            finish(peer, write)
+            raise DirectWriteFailed("injected landing failure (test)")
+        return finish(peer, write)
+
+    monkeypatch.setattr(AddressedPeer, "finish_staged", failing_second)
+    block_bytes, num_blocks = 64 * 1024, 32  # 16 blocks per transfer: 1 MiB a layer
+    d = d_side(num_blocks=num_blocks, block_bytes=block_bytes)
+    config = LayerKVConfig(staging_buffer_mb=1, staging_buffers=3, writes_in_flight=3)
+    p = p_side(num_blocks=num_blocks, block_bytes=block_bytes, config=config)
+    src_a, src_b = list(range(16)), list(range(16, 32))
+    dst_a, dst_b = src_b[::-1], src_a[::-1]
+    d.table.expect(RecvTask("ra", "a", dst_a))
+    d.table.expect(RecvTask("rb", "b", dst_b))
+    push_all_then_send(p, monkeypatch, [task("a", d, src_a, dst_a, req_id="ra"),
+                                        task("b", d, src_b, dst_b, req_id="rb")],
+                       groups=[(0,), (1,), (2,), (3,)])
+    assert p.wait_state("a", ["acked", "failed"], timeout=30).state == "acked"
+    out_b = p.wait_state("b", ["acked", "failed"], timeout=30)
+    assert out_b.state == "failed" and "injected landing failure" in out_b.reason
+    assert d.drain_until(lambda f, x: bool(f and x)) == ({"ra"}, {"rb"})
+    assert inflight.most == 3 and inflight.now == 0
+    assert p.sender._staging is not None and p.sender._staging.free == 3
+    ring = d.transport._host_ring
+    wait_until(lambda: ring is not None and sorted(ring._free) == list(range(ring.slots)))
+    d_views, p_views = d.layout.host_block_views(), p.layout.host_block_views()
+    for layer in range(NUM_LAYERS):
+        assert (d_views[layer][dst_a] == p_views[layer][src_a]).all(), f"layer {layer}"
 
 
 # ------------------------------------------------------------------------------ early release

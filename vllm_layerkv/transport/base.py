@@ -102,6 +102,11 @@ class SendChannel(ABC):
         to it; returns bytes moved (raises TransportError when the write failed)."""
         return pending.nbytes
 
+    def slices_landed(self, pending: PendingWrite) -> bool:
+        """Whether ``finish_slices`` would return without waiting for the wire or the device
+        (the write is complete, or failed). Never blocks."""
+        return pending.handle is None
+
     @property
     def bounces(self) -> bool:
         """Whole blocks, too, go through ``write_slices`` (with every head): the channel moves

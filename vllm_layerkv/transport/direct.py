@@ -241,6 +241,10 @@ class PeerWriter(ABC):
         """Wait for a posted ring write; returns its bytes (raises DirectWriteFailed)."""
         return write.nbytes
 
+    def staged_done(self, write: StagedWrite) -> bool:
+        """Whether ``finish_staged`` would return at once (complete or failed); never blocks."""
+        return write.pending is None
+
     def close(self) -> None:
         """Forget the peer (its channel closed)."""
 
@@ -403,6 +407,9 @@ class AddressedPeer(PeerWriter):
             self.wait_span(pending)
         return write.nbytes
 
+    def staged_done(self, write: StagedWrite) -> bool:
+        return write.pending is None or self.span_done(write.pending)
+
     @abstractmethod
     def write_runs(self, layers: Sequence[int], runs: list[tuple[int, int, int]],
                    src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> None:
@@ -420,6 +427,11 @@ class AddressedPeer(PeerWriter):
     def wait_span(self, pending: Any) -> None:
         """Return once the write ``post_span`` started is in the peer's memory (raise
         DirectWriteFailed otherwise). Every posted write is waited for, once."""
+
+    def span_done(self, pending: Any) -> bool:
+        """Whether ``wait_span`` would return at once (complete or failed); never blocks.
+        False when the plane cannot tell without waiting."""
+        return False
 
 
 def layer_geometry(local: Sequence[torch.Tensor]) -> dict[str, object]:

@@ -249,6 +249,15 @@ class NixlPeer(AddressedPeer):
     def wait_span(self, pending: Any) -> None:
         self._wait(*pending)
 
+    def span_done(self, pending: Any) -> bool:
+        handle, state, _ = pending
+        if state != "PROC":
+            return True
+        try:
+            return self._agent.check_xfer_state(handle) != "PROC"
+        except Exception:  # noqa: BLE001 - nixl's types; wait_span reports the failure
+            return True
+
     def _coalesced(self, layers: Sequence[int], runs: list[tuple[int, int, int]]) -> Any:
         ex, bb = self._export, self.block_bytes
         local = np.array([(self.local_addrs[layer] + s * bb, n * bb, self._dev)

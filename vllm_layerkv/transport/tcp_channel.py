@@ -229,6 +229,12 @@ class TcpSendChannel(SendChannel):
             self._send(DirectWritten(transfer_id=pending.transfer_id, seq=seq, nbytes=written))
         return written
 
+    def slices_landed(self, pending: PendingWrite) -> bool:
+        if pending.handle is None:
+            return True
+        assert self._writer is not None
+        return self._writer.staged_done(pending.handle[1])
+
     def _ask(self, request: DirectWrite | DirectRead, make_room: Callable[[], bool] | None = None
              ) -> WriteGrant:
         """Send ``request`` under the next sequence number and wait for D's grant. With

@@ -184,9 +184,10 @@ class PrefillWorker:
         with state.lock:
             for req_id, (tid, deadline) in list(self._releases.items()):
                 out = state.transfers.get(tid)
-                if out is None or out.terminal:
+                # a posted write may still read the blocks (a device copy): not before it landed
+                if out is None or (out.terminal and not out.writes_posted):
                     done.add(req_id)
-                elif now > deadline and not out.in_use:
+                elif now > deadline and not out.in_use and not out.writes_posted:
                     logger.warning(
                         "LayerKV transfer %s (request %s): no acknowledgement from decode "
                         "within ack_timeout_s=%.0f s (state %s); freeing its blocks",
