@@ -11,7 +11,9 @@ the proxy receiving D's first bytes:
                 registration: ``registration_wait_s``)
   prefill       -> the sender sees the last layer group of the final chunk done on the device
                 (the group's CUDA event; on CPU, the end of the group's layers)
-  last_copy     -> that group's KV is in D's memory (the exposed part of the transfer)
+  last_copy     -> that group's KV is in D's memory (the exposed part of the transfer; with
+                ring writes, which stay in flight after the group is posted, the transfer's
+                last ``piece_landed``)
   done_msg      -> D's receiver has TransferDone from every P rank and closes the transfer
   report        -> D's worker hands finished_recving to vLLM (next engine step)
   d_first       -> D's first bytes reach the proxy (D schedules the request, recomputes the last
@@ -123,6 +125,7 @@ def request_breakdowns(trace_dir: Path) -> list[dict[str, Any]]:
     sends: dict[tuple[int, int], dict[str, float]] = defaultdict(dict)
     ready_s: dict[tuple[int, int], float] = {}
     done_sent: dict[str, float] = {}
+    landed: dict[str, float] = {}
     for e in p_events:
         if e["ev"] == "step_plan":
             for tid in e.get("transfer_ids", []):
@@ -133,6 +136,8 @@ def request_breakdowns(trace_dir: Path) -> list[dict[str, Any]]:
             ready_s[(e["step"], e["group"])] = e["gpu_s"]
         elif e["ev"] == "transfer_done_sent":
             done_sent[e["transfer_id"]] = e["t"]
+        elif e["ev"] == "piece_landed":
+            landed[e["transfer_id"]] = max(e["t"], landed.get(e["transfer_id"], 0.0))
 
     closed: dict[str, dict[str, Any]] = {}
     reported: dict[str, float] = {}
@@ -181,8 +186,9 @@ def request_breakdowns(trace_dir: Path) -> list[dict[str, Any]]:
         # close (what vLLM did before it overlapped P's last group)
         early = reported[req_id] < closed[tid]["t"]
         handed_over = max(reported[req_id], closed[tid]["t"])
+        sent = max(group_times["group_send_end"], landed.get(tid, 0.0))
         marks = [pt["proxy_in"], tid_plans[0]["t"], group_times["group_send_start"],
-                 group_times["group_send_end"], closed[tid]["t"], handed_over,
+                 sent, closed[tid]["t"], handed_over,
                  pt["proxy_d_first"]]
         row: dict[str, Any] = {
             "transfer_id": tid,

@@ -73,6 +73,23 @@ def test_segments_and_parts_add_up(tmp_path: Path) -> None:
     assert "reg_wait" in table and "d_out" in table
 
 
+def test_last_copy_ends_when_the_last_ring_write_landed(tmp_path: Path) -> None:
+    """Ring writes stay in flight after their group is posted (10.103): the last one landed at
+    10.1033, so last_copy runs to it and done_msg from it."""
+    traces(tmp_path, schedulers=False)
+    p = tmp_path / "trace.p.0"
+    events = [json.loads(line) for line in p.read_text().splitlines()]
+    events.insert(-1, {"ev": "piece_landed", "transfer_id": TID, "nbytes": 1 << 25,
+                       "waited": 0.001, "seconds": 0.004, "t": 10.1033})
+    events.insert(2, {"ev": "piece_landed", "transfer_id": "other", "nbytes": 1 << 25,
+                      "waited": 0.0, "seconds": 0.004, "t": 10.1034})
+    write(p, events)
+    [row] = profile_trace.request_breakdowns(tmp_path)
+    assert row["last_copy"] == pytest.approx(3.3, abs=0.01)
+    assert row["done_msg"] == pytest.approx(0.7, abs=0.01)
+    assert row["total"] == pytest.approx(150.0, abs=0.01)
+
+
 def test_a_registration_sent_before_p_saw_the_request_counts_only_the_pickup(
         tmp_path: Path) -> None:
     """D registered (10.008) and P's thread read it (10.009) before P's scheduler saw the
