@@ -747,6 +747,34 @@ def test_ring_writes_stay_in_flight_from_one_layer_group_to_the_next(d_side, p_s
 
 
 @pytest.mark.parametrize("transport", BOUNCED)
+def test_nearly_done_estimate_counts_the_ring_writes_still_in_flight(d_side, p_side, transport,
+                                                                   monkeypatch) -> None:
+    """The first of four one-layer groups announces the end while its 1 MiB write is still in
+    flight, on a link the sender has measured at 2 MiB/s: D is told to expect the rest no
+    sooner than that write's half second on the link (posting it took next to nothing)."""
+    monkeypatch.setattr(AddressedPeer, "staged_done", lambda peer, write: False)
+    block_bytes, num_blocks = 64 * 1024, 16  # 1 MiB per layer = one staging buffer
+    d = d_side(num_blocks=num_blocks, block_bytes=block_bytes, early_lead_s=0.0)
+    config = LayerKVConfig(staging_buffer_mb=1, staging_buffers=3, writes_in_flight=3)
+    p = p_side(num_blocks=num_blocks, block_bytes=block_bytes, config=config)
+    p.sender.link_rate.observe(8 << 20, 4.0)
+    src = list(range(num_blocks))
+    d.table.expect(RecvTask("r", "t", src))
+    t = task("t", d, src, src, req_id="r")
+    p.sender.outgoing(t)
+    sent = time.monotonic()
+    p.sender.put(GroupSend(step=1, group=0, layers=[0], tasks=[t], announces_end=True,
+                           layers_through=1, num_layers=NUM_LAYERS, t_planned=sent))
+    wait_until(lambda: d.table.next_early_at() is not None)
+    eta = d.table.next_early_at() - sent
+    assert eta >= 0.45, f"estimate {eta:.3f} s leaves out the 1 MiB write still in flight"
+    for layer in range(1, NUM_LAYERS):
+        p.sender.put(GroupSend(step=1, group=layer, layers=[layer], tasks=[t]))
+    p.sender.put(FinishTransfer(t, t_compute_end=time.monotonic()))
+    assert p.wait_state("t", ["acked", "failed"], timeout=30).state == "acked"
+
+
+@pytest.mark.parametrize("transport", BOUNCED)
 def test_more_writes_in_flight_than_ring_slots_do_not_deadlock(d_side, p_side, transport,
                                                                monkeypatch) -> None:
     """D's ring has one slot, P keeps up to three writes in flight: P's next grant waits for

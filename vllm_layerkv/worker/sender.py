@@ -387,7 +387,8 @@ class Sender:
         decode rank when the rest is expected, so that an idle D can have vLLM schedule the
         request meanwhile. The estimate is the step's compute rate so far (the device's time,
         where there is one) applied to the layers left, plus this group's send time scaled to
-        the layers left (the send may take longer than the compute it follows)."""
+        the layers left (the send may take longer than the compute it follows), plus the link
+        time of the ring writes still in flight (posting a group's writes does not land them)."""
         now = time.monotonic()
         layers_left = item.num_layers - item.layers_through
         if layers_left <= 0 or not item.layers_through:
@@ -398,7 +399,8 @@ class Sender:
         per_layer = computed_s / item.layers_through
         compute_left = per_layer * layers_left - (now - t_computed)
         send_last = (now - t_computed) * layers_left / max(1, len(item.layers))
-        eta = max(0.0, compute_left) + send_last
+        in_flight = self.link_rate.seconds_for(sum(w.pending.nbytes for w in self._posted))
+        eta = max(0.0, compute_left) + send_last + in_flight
         for task in item.tasks:
             if not task.final:
                 continue
