@@ -697,6 +697,18 @@ BOUNCED = [t for t in TRANSPORTS if t.endswith("+bounce")] or ["nixl+bounce"]
 """Transports whose whole blocks go through D's ring (the pipelined path)."""
 
 
+def one_mib_layers(d_side, p_side, monkeypatch, **d_kw) -> tuple[DSide, PSide, list[int]]:
+    """D and P with 16 blocks of 64 KiB (1 MiB per layer = one staging buffer), P keeping up to
+    3 ring writes in flight, and the blocks' ids. The writes report done only when waited for,
+    so how many stay in flight does not depend on the loopback's speed."""
+    monkeypatch.setattr(AddressedPeer, "staged_done", lambda peer, write: False)
+    block_bytes, num_blocks = 64 * 1024, 16
+    d = d_side(num_blocks=num_blocks, block_bytes=block_bytes, **d_kw)
+    config = LayerKVConfig(staging_buffer_mb=1, staging_buffers=3, writes_in_flight=3)
+    p = p_side(num_blocks=num_blocks, block_bytes=block_bytes, config=config)
+    return d, p, list(range(num_blocks))
+
+
 @pytest.mark.parametrize("transport", BOUNCED)
 @pytest.mark.parametrize("writes_in_flight", [1, 2, 3])
 def test_ring_writes_in_flight_are_bounded_and_land_byte_exact(d_side, p_side, transport,
@@ -713,9 +725,7 @@ def test_ring_writes_in_flight_are_bounded_and_land_byte_exact(d_side, p_side, t
     d, p, src, dst, out = eight_mib_groups(d_side, p_side, config)
     assert out.frames == inflight.posted == inflight.finished == 16  # 2 groups x 8 MiB / 1 MiB
     assert inflight.most == writes_in_flight
-    d_views, p_views = d.layout.host_block_views(), p.layout.host_block_views()
-    for layer in range(NUM_LAYERS):
-        assert (d_views[layer][dst] == p_views[layer][src]).all(), f"layer {layer}"
+    assert_copied(p, d, list(zip(src, dst)))
 
 
 @pytest.mark.parametrize("transport", BOUNCED)
@@ -726,12 +736,7 @@ def test_ring_writes_stay_in_flight_from_one_layer_group_to_the_next(d_side, p_s
     and they still land byte-exact and before TransferDone. The writes report done only when
     waited for, so the count does not depend on the loopback's speed."""
     inflight = InFlight(monkeypatch)
-    monkeypatch.setattr(AddressedPeer, "staged_done", lambda peer, write: False)
-    block_bytes, num_blocks = 64 * 1024, 16  # 1 MiB per layer = one staging buffer
-    d = d_side(num_blocks=num_blocks, block_bytes=block_bytes)
-    config = LayerKVConfig(staging_buffer_mb=1, staging_buffers=3, writes_in_flight=3)
-    p = p_side(num_blocks=num_blocks, block_bytes=block_bytes, config=config)
-    src = list(range(num_blocks))
+    d, p, src = one_mib_layers(d_side, p_side, monkeypatch)
     dst = src[::-1]
     d.table.expect(RecvTask("r", "t", dst))
     push_all_then_send(p, monkeypatch, [task("t", d, src, dst, req_id="r")],
@@ -741,9 +746,7 @@ def test_ring_writes_stay_in_flight_from_one_layer_group_to_the_next(d_side, p_s
     assert inflight.posted == inflight.finished == 4 and inflight.most == 3
     assert out.writes_posted == 0
     assert d.drain_until(lambda f, x: bool(f or x)) == ({"r"}, set())
-    d_views, p_views = d.layout.host_block_views(), p.layout.host_block_views()
-    for layer in range(NUM_LAYERS):
-        assert (d_views[layer][dst] == p_views[layer][src]).all(), f"layer {layer}"
+    assert_copied(p, d, list(zip(src, dst)))
 
 
 @pytest.mark.parametrize("transport", BOUNCED)
@@ -752,13 +755,8 @@ def test_nearly_done_estimate_counts_the_ring_writes_still_in_flight(d_side, p_s
     """The first of four one-layer groups announces the end while its 1 MiB write is still in
     flight, on a link the sender has measured at 2 MiB/s: D is told to expect the rest no
     sooner than that write's half second on the link (posting it took next to nothing)."""
-    monkeypatch.setattr(AddressedPeer, "staged_done", lambda peer, write: False)
-    block_bytes, num_blocks = 64 * 1024, 16  # 1 MiB per layer = one staging buffer
-    d = d_side(num_blocks=num_blocks, block_bytes=block_bytes, early_lead_s=0.0)
-    config = LayerKVConfig(staging_buffer_mb=1, staging_buffers=3, writes_in_flight=3)
-    p = p_side(num_blocks=num_blocks, block_bytes=block_bytes, config=config)
+    d, p, src = one_mib_layers(d_side, p_side, monkeypatch, early_lead_s=0.0)
     p.sender.link_rate.observe(8 << 20, 4.0)
-    src = list(range(num_blocks))
     d.table.expect(RecvTask("r", "t", src))
     t = task("t", d, src, src, req_id="r")
     p.sender.outgoing(t)
