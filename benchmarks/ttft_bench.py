@@ -29,7 +29,10 @@ Configurations (``--configs``):
   nixl-tcp     same with UCX_TLS=tcp,cuda_copy,self (no GPU-direct)
   layerkv      LayerKV P + D behind the project's proxy (transport auto: CUDA IPC on one host,
                where D maps P's KV and copies each group itself: cuda_ipc_reads, the default)
-  layerkv-tcp  same with transport=tcp (KV through pinned host memory and a TCP socket)
+  layerkv-tcp  same with transport=tcp (KV through pinned host memory and TCP: tcp_streams
+               connections per rank pair, 4 by default)
+  layerkv-tcp-1s  layerkv-tcp over one TCP connection per rank pair (tcp_streams 1: the
+               default before 2026-11-29)
   layerkv-tcp-<N>g  layerkv-tcp with P's sends paced to N Gb/s (tcp_pacing_gbps: a slower
                link emulated), e.g. layerkv-tcp-10g, -25g, -50g, -100g
   layerkv-auth, layerkv-tcp-auth  layerkv / layerkv-tcp with a shared secret on P and D
@@ -381,6 +384,7 @@ LAYERKV_CONFIGS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
     # name: (kv_connector_extra_config of P and D, environment of P and D)
     "layerkv": ({}, {}),
     "layerkv-tcp": ({"transport": "tcp"}, {}),
+    "layerkv-tcp-1s": ({"transport": "tcp"}, {"LAYERKV_TCP_STREAMS": "1"}),
     "layerkv-auth": ({}, {"LAYERKV_AUTH_SECRET": AUTH_SECRET}),
     "layerkv-tcp-auth": ({"transport": "tcp"}, {"LAYERKV_AUTH_SECRET": AUTH_SECRET}),
     "layerkv-noearly": ({"early_release": False}, {}),

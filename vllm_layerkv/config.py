@@ -176,6 +176,13 @@ class LayerKVConfig:
     io_timeout_s: float = 60.0
     """A data connection that makes no progress for this long is closed and its transfers
     fail (the kernel's send and receive timeouts of its blocking sockets)."""
+    tcp_streams: int = 4
+    """KV bytes over TCP (``transport: tcp``, or ``auto`` where no direct plane reaches D): the
+    TCP connections each (P rank, D rank) pair deals its payloads over, the data connection
+    included (``transport/tcp_streams.py``). One connection moves a few GB/s, its bytes copied
+    by one core at each end; on an H200 host's loopback four moved four times as much. The
+    pair uses the smaller of P's and D's setting; each stream is one more connection on D's
+    data listener (``max_connections``) and one thread at each end. 1 = one connection."""
 
     # --- prefill TP != decode TP (tp.py, staging.py) --------------------------------------
     tp_staging: bool = True
@@ -380,6 +387,8 @@ class LayerKVConfig:
         need(0 <= self.gil_switch_interval_ms <= 100,
              f"gil_switch_interval_ms={self.gil_switch_interval_ms} must be between 0 and 100 "
              "(0 = Python's default, 5 ms)")
+        need(1 <= self.tcp_streams <= 16,
+             f"tcp_streams={self.tcp_streams} must be between 1 and 16")
         need(self.tcp_pacing_gbps >= 0,
              f"tcp_pacing_gbps={self.tcp_pacing_gbps} must be >= 0 (0 = no pacing)")
         need(1 <= self.recv_ring_slots <= 64,

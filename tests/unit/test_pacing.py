@@ -164,8 +164,7 @@ def test_without_pacing_the_channel_sends_on_the_socket_itself() -> None:
     p = start_p("tcp")
     try:
         channel = p.sender._channel(d.endpoint)
-        assert channel._send_payload.func is framing.send_all
-        assert channel._send_payload.args == (channel._sock,)
+        assert channel._streams._move is framing.send_all
     finally:
         p.sender.shutdown()
         d.transport.shutdown()

@@ -114,7 +114,8 @@ def test_frame_is_length_prefixed_msgpack() -> None:
     assert length == len(frame) - 4
     body = msgspec.msgpack.decode(frame[4:])
     # tagged union: decodable without a type
-    assert body == {"type": "HelloAck", "tp_rank": 3, "exports": []}
+    assert body == {"type": "HelloAck", "tp_rank": 3, "exports": [], "streams": 1,
+                    "stream_token": ""}
     assert decode(frame[4:]) == HelloAck(tp_rank=3)
 
 

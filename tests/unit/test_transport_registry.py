@@ -21,8 +21,8 @@ from vllm_layerkv.wire.planes import (
 )
 from vllm_layerkv.wire.protocol import PROTOCOL_VERSION, HelloAck, decode, encode
 
-HELLO_ACK_V9 = (
-    "0000028b83a474797065a848656c6c6f41636ba774705f72616e6b00a76578706f727473938aa474797065a8"
+HELLO_ACK_V10 = (
+    "000002a285a474797065a848656c6c6f41636ba774705f72616e6b00a76578706f727473938aa474797065a8"
     "637564615f697063a7686f73745f6964a6682f626f6f74ab6465766963655f75756964a84750552d31323334"
     "aa6e756d5f626c6f636b73cd03e8ab626c6f636b5f6279746573ce00010000a66c61796572739188a668616e"
     "646c65c4080001000100010001ac73746f726167655f73697a65ce03e80000ae73746f726167655f6f666673"
@@ -36,8 +36,9 @@ HELLO_ACK_V9 = (
     "7374c2a7686f73745f6964a0ab6465766963655f75756964a08aa474797065a86d6f6f6e63616b65a7736573"
     "73696f6eae31302e302e302e323a3135323233a870726f746f636f6ca3746370aa6e756d5f626c6f636b730a"
     "ab626c6f636b5f627974657340ab6c617965725f616464727391cd1000a972696e675f6164647200aa72696e"
-    "675f736c6f747300af72696e675f736c6f745f627974657300ac72696e675f696e5f686f7374c2")
-"""A ``HelloAck`` with one export of each plane, as version 9 of the protocol encodes it."""
+    "675f736c6f747300af72696e675f736c6f745f627974657300ac72696e675f696e5f686f7374c2a773747265"
+    "616d7301ac73747265616d5f746f6b656ea0")
+"""A ``HelloAck`` with one export of each plane, as version 10 of the protocol encodes it."""
 
 
 def test_transport_names_are_auto_tcp_and_each_registered_plane() -> None:
@@ -77,6 +78,6 @@ def test_hello_ack_with_every_export_keeps_its_wire_bytes() -> None:
         MooncakeExport(session="10.0.0.2:15223", protocol="tcp", num_blocks=10, block_bytes=64,
                        layer_addrs=[4096]),
     ])
-    assert PROTOCOL_VERSION == 9
-    assert encode(ack).hex() == HELLO_ACK_V9
-    assert decode(bytes.fromhex(HELLO_ACK_V9)[4:]) == ack
+    assert PROTOCOL_VERSION == 10
+    assert encode(ack).hex() == HELLO_ACK_V10
+    assert decode(bytes.fromhex(HELLO_ACK_V10)[4:]) == ack

@@ -47,17 +47,19 @@ def create_transport(name: str, blocks: BlockIO, config: LayerKVConfig | None = 
     config = config or LayerKVConfig()
     ring = RingShape(slots=config.recv_ring_slots, slot_bytes=config.staging_buffer_mb << 20)
     pacing = config.tcp_pacing_gbps
+    streams = config.tcp_streams
     auth = ChannelAuth.from_config(config)  # every connection authenticates
     limits = ListenerLimits.from_config(config)
     if name == "tcp":
-        return TcpTransport(ring=ring, pacing_gbps=pacing, auth=auth, limits=limits)
+        return TcpTransport(ring=ring, pacing_gbps=pacing, auth=auth, limits=limits,
+                            streams=streams)
     if name != "auto":
         try:
             plane = _make_plane(PLANES_BY_NAME[name], blocks, config)
         except DirectUnavailable as e:
             raise TransportError(f"transport={name}: {e}; or use transport=auto / tcp") from None
         return TcpTransport([plane], required=name, ring=ring, pacing_gbps=pacing, auth=auth,
-                            limits=limits)
+                            limits=limits, streams=streams)
 
     planes: list[DirectPlane] = []
     notes: list[str] = []
@@ -81,7 +83,8 @@ def create_transport(name: str, blocks: BlockIO, config: LayerKVConfig | None = 
     chosen = " > ".join([p.name for p in planes] + ["tcp"])
     logger.info("LayerKV transport=auto: %s (%s)", chosen,
                 "; ".join(notes) if notes else "every plane available")
-    return TcpTransport(planes, ring=ring, pacing_gbps=pacing, auth=auth, limits=limits)
+    return TcpTransport(planes, ring=ring, pacing_gbps=pacing, auth=auth, limits=limits,
+                        streams=streams)
 
 
 def _make_plane(entry: PlaneEntry, blocks: BlockIO, config: LayerKVConfig) -> DirectPlane:

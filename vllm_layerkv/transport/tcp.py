@@ -6,7 +6,9 @@ adjacent blocks per layer). D reads the header, validates it against its bookkee
 ``recv_into``s the payload straight into its own KV blocks (CPU) or a pinned buffer scattered
 into them (GPU); on CPU there is no intermediate buffer on either side, so on loopback KV moves
 at memory-copy-like rates. One TCP connection per (P rank, D rank) keeps every transfer's frames
-in order, which is what makes re-sending a partially filled block on the next chunk correct.
+in order, which is what makes re-sending a partially filled block on the next chunk correct; a
+frame's payload may be dealt over further TCP streams of the connection (``tcp_streams.py``),
+which keeps that order.
 
 Direct-write planes (``direct.py``: CUDA IPC on one host, NIXL, Mooncake): P's ``Hello`` lists
 the planes it can drive, D answers with an export for each it can serve to that sender, and P
@@ -33,7 +35,8 @@ connection it is bound to. A ``TransferDone`` or ``TransferNearlyDone`` naming a
 than its connection's is a protocol error.
 
 Threads: D runs one accept thread and one reader thread per connection; P runs one ack-reader
-thread per connection (the sender thread writes). Data sockets block, with ``io_timeout_s`` as
+thread per connection (the sender thread writes); each further TCP stream has one thread at
+each end. Data sockets block, with ``io_timeout_s`` as
 the kernel's timeouts (``framing.set_io_timeout``): a layer's payload is one send on P and one
 receive on D, outside the GIL that the engine's thread holds while it steps; idle waits for
 the next message poll. P's end of a connection is
@@ -45,6 +48,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import secrets
 import socket
 import threading
 import time
@@ -79,6 +83,7 @@ from vllm_layerkv.transport.direct import (
 from vllm_layerkv.transport.hooks import TEST_HOOK_ENV, ConnectionHook
 from vllm_layerkv.transport.pacing import pacer_for
 from vllm_layerkv.transport.tcp_channel import TcpSendChannel, WritePath
+from vllm_layerkv.transport.tcp_streams import Piece, Streams, StreamsFailed
 from vllm_layerkv.wire import framing
 from vllm_layerkv.wire.admission import Gate, ListenerLimits, Slot, keepalive
 from vllm_layerkv.wire.auth import AuthError, ChannelAuth, connect_handshake
@@ -91,6 +96,8 @@ from vllm_layerkv.wire.protocol import (
     HelloAck,
     ProtocolError,
     Refused,
+    StreamJoin,
+    StreamJoinAck,
     TransferAbort,
     TransferAck,
     TransferDone,
@@ -137,9 +144,10 @@ class RingShape:
 class TcpTransport(Transport):
     def __init__(self, planes: Sequence[DirectPlane] = (), required: str = "",
                  ring: RingShape = RingShape(), pacing_gbps: float = 0.0,
-                 auth: ChannelAuth | None = None, limits: ListenerLimits | None = None) -> None:
+                 auth: ChannelAuth | None = None, limits: ListenerLimits | None = None,
+                 streams: int = 1) -> None:
         """``auth``: the shared secret and allowlist of every connection (default: none);
-        ``limits``: D's listener limits."""
+        ``limits``: D's listener limits; ``streams``: ``tcp_streams``."""
         self._auth = auth or ChannelAuth()
         self._limits = limits or ListenerLimits()
         self._gate: Gate | None = None
@@ -148,6 +156,11 @@ class TcpTransport(Transport):
         self._required = required
         """The ``transport`` setting when it named a plane: no falling back to bytes."""
         self._ring_shape = ring
+        self._streams = streams
+        """TCP streams per connection for byte payloads (``tcp_streams.py``): P asks for this
+        many, D accepts at most this many."""
+        self._stream_owners: dict[str, Streams] = {}
+        """D: stream token -> the streams of the connection that offered it."""
         self._pacer = pacer_for(pacing_gbps)
         """P: paces this worker's byte payloads (``tcp_pacing_gbps``); None = off."""
         self._new_hook = connection_hooks()
@@ -185,6 +198,7 @@ class TcpTransport(Transport):
             hello = msgspec.structs.replace(hello, host_id=host_id(),
                                             direct=[p.name for p in self._planes],
                                             exports=[e for e in offered if e is not None])
+        hello = msgspec.structs.replace(hello, streams=self._streams)
         try:
             sock = framing.connect(endpoint, timeout)
         except OSError as e:
@@ -212,8 +226,35 @@ class TcpTransport(Transport):
             path = WritePath(None, self._required, refusal=str(e))
             logger.error("LayerKV: %s", path.refusal)
         framing.set_io_timeout(sock, io_timeout)  # a D that stops reading fails the send
+        send = framing.send_all if self._pacer is None else self._pacer.sendall
+        streams = Streams(endpoint, send)
+        if path.writer is None and not path.refusal and reply.streams > 1:
+            self._join_streams(endpoint, reply, streams, timeout, io_timeout)
         return TcpSendChannel(sock, endpoint, blocks, on_ack, on_lost, path, io_timeout,
-                              self._new_hook(), self._pacer)
+                              self._new_hook(), streams)
+
+    def _join_streams(self, endpoint: str, reply: HelloAck, streams: Streams, timeout: float,
+                      io_timeout: float) -> None:
+        """Open the further TCP streams D granted, in order, until one fails (logged: the
+        connection then deals its payloads over the streams that joined)."""
+        for index in range(1, min(reply.streams, self._streams)):
+            sock = None
+            try:
+                sock = framing.connect(endpoint, timeout)
+                connect_handshake(sock, self._auth, timeout)
+                framing.send_message(sock, StreamJoin(token=reply.stream_token, index=index))
+                answer = framing.recv_message(sock, StreamJoinAck, Refused)
+                if not isinstance(answer, StreamJoinAck) or answer.index != index:
+                    why = answer.reason if isinstance(answer, Refused) else repr(answer)
+                    raise TransportError(f"decode refused it: {why}")
+                framing.set_io_timeout(sock, io_timeout)
+                streams.start(index, sock)
+            except (OSError, AuthError, framing.PeerClosed, ProtocolError, TransportError) as e:
+                if sock is not None:
+                    sock.close()
+                logger.warning("LayerKV: TCP stream %d of %d to decode %s did not open (%s); "
+                               "sending over %d", index + 1, reply.streams, endpoint, e, index)
+                return
 
     def _attach(self, endpoint: str, reply: HelloAck) -> PeerWriter | None:
         """The first plane, in this worker's order, that reaches D's KV; None to send bytes."""
@@ -302,7 +343,9 @@ class TcpTransport(Transport):
     def _serve(self, conn: socket.socket, addr: tuple, slot: Slot, sink: ReceiveSink,
                blocks: BlockIO, io_timeout: float) -> None:
         source: Source | None = None
-        scratch = _Scratch()
+        streams: Streams | None = None
+        """The further TCP streams this connection offered P (``tcp_streams``)."""
+        token = ""
         granted: dict[int, tuple[DirectWrite, int, RecvRing | None]] = {}
         """seq -> (request, ring slot or -1, its ring) of direct writes in progress."""
         waiting: deque[tuple[DirectWrite, RecvRing, float]] = deque()
@@ -319,7 +362,10 @@ class TcpTransport(Transport):
                 return
             keepalive(conn)
             framing.set_io_timeout(conn, io_timeout)
-            first = framing.recv_message(conn, Hello, limits=self._limits.messages)
+            first = framing.recv_message(conn, Hello, StreamJoin, limits=self._limits.messages)
+            if isinstance(first, StreamJoin):
+                self._serve_stream(conn, first)
+                return
             if not isinstance(first, Hello):
                 raise TransportError(f"expected Hello, got {type(first).__name__}")
             refusal = sink.check_hello(first)
@@ -344,7 +390,14 @@ class TcpTransport(Transport):
                 exports.append(export)
                 if ring is not None and getattr(export, "ring_slots", 0):
                     rings[plane.name] = ring
-            framing.send_message(conn, HelloAck(tp_rank=sink.tp_rank, exports=exports))
+            offered = max(1, min(first.streams, self._streams))
+            streams = Streams(f"{addr[0]}:{addr[1]}", _receive_piece, limit=offered)
+            if offered > 1:
+                token = secrets.token_hex(16)
+                with self._lock:
+                    self._stream_owners[token] = streams
+            framing.send_message(conn, HelloAck(tp_rank=sink.tp_rank, exports=exports,
+                                                streams=offered, stream_token=token))
             while not self._stop.is_set():
                 # Idle between transfers is fine; once a message starts, io_timeout applies.
                 # A ring write waiting for a slot is retried between messages: the thread
@@ -356,7 +409,7 @@ class TcpTransport(Transport):
                 msg = framing.recv_message(conn, *framing.PREFILL_TO_DECODE,
                                            limits=self._limits.messages)
                 if isinstance(msg, BlockData):
-                    self._receive_blocks(conn, msg, sink, blocks, scratch, source)
+                    self._receive_blocks(conn, msg, sink, blocks, streams, source)
                 elif isinstance(msg, DirectRead) and reader is not None:
                     ok = self._read(msg, reader, sink, blocks, source)
                     framing.send_message(conn, WriteGrant(seq=msg.seq, ok=ok, slot=-1))
@@ -406,6 +459,10 @@ class TcpTransport(Transport):
             if not self._stop.is_set() and source is not None:
                 sink.on_source_lost(source, f"connection lost: {e}")
         finally:
+            if streams is not None:
+                with self._lock:
+                    self._stream_owners.pop(token, None)
+                streams.close()
             self._release_grants(granted, waiting, sink)
             if reader is not None:
                 reader.close()
@@ -592,9 +649,26 @@ class TcpTransport(Transport):
                                  f"{msg.layers} outside 0..{blocks.num_layers - 1}")
         return sink.begin_write(msg.transfer_id, msg.dst_blocks, source)
 
+    def _serve_stream(self, conn: socket.socket, join: StreamJoin) -> None:
+        """A further TCP stream of a data connection (``tcp_streams.py``): joined to the
+        connection whose token it presents, it moves that connection's payload pieces until
+        the connection ends."""
+        with self._lock:
+            owner = self._stream_owners.get(join.token)
+        try:
+            if owner is None:
+                raise ValueError("no data connection offered this stream token")
+            owner.attach(join.index, conn)
+        except (ValueError, StreamsFailed) as e:
+            logger.error("LayerKV data listener refused a TCP stream: %s", e)
+            framing.send_message(conn, Refused(transfer_id="", reason=f"TCP stream refused: {e}"))
+            return
+        framing.send_message(conn, StreamJoinAck(index=join.index))
+        owner.serve(join.index, conn)
+
     @staticmethod
     def _receive_blocks(conn: socket.socket, msg: BlockData, sink: ReceiveSink,
-                        blocks: BlockIO, scratch: _Scratch, source: Source) -> None:
+                        blocks: BlockIO, streams: Streams, source: Source) -> None:
         if msg.num_heads and not (0 <= msg.first_head
                                   and msg.first_head + msg.num_heads <= blocks.local_heads):
             raise TransportError(f"malformed BlockData for {msg.transfer_id}: heads "
@@ -610,33 +684,37 @@ class TcpTransport(Transport):
                 f"malformed BlockData for {msg.transfer_id}: block_bytes {msg.block_bytes} vs "
                 f"{block_bytes}, nbytes {msg.nbytes} vs {expected}"
             )
+        if not 1 <= msg.streams <= streams.usable():
+            raise TransportError(f"malformed BlockData for {msg.transfer_id}: dealt over "
+                                 f"{msg.streams} TCP streams, the connection has "
+                                 f"{streams.usable()}")
         if not sink.begin_write(msg.transfer_id, msg.dst_blocks, source):
-            framing.discard(conn, msg.nbytes, scratch.view)
+            streams.frame(conn, [msg.nbytes], msg.streams)  # read and dropped
             return
         written = 0
         bufs = (blocks.write_slices(msg.layers, msg.dst_blocks, msg.first_head, msg.num_heads)
                 if msg.num_heads else blocks.write(msg.layers, msg.dst_blocks))
         try:
-            for buf in bufs:
-                framing.recv_exact_into(conn, buf)
+            streams.frame(conn, bufs, msg.streams)
             written = msg.nbytes
         finally:
             sink.end_write(msg.transfer_id, written)
 
 
-class _Scratch:
-    """A connection's buffer for payloads nobody wants (frames of a closed transfer), made on
-    first use: most connections never need it, and one that has not authenticated must not
-    cost SCRATCH_BYTES."""
+_scratch = threading.local()
 
-    def __init__(self) -> None:
-        self._view: memoryview | None = None
 
-    @property
-    def view(self) -> memoryview:
-        if self._view is None:
-            self._view = memoryview(bytearray(SCRATCH_BYTES))
-        return self._view
+def _receive_piece(sock: socket.socket, piece: Piece) -> None:
+    """D's move for a payload piece (``tcp_streams.Streams``): into its buffer, or, for an int,
+    that many bytes read into this thread's scratch buffer and dropped (frames of a closed
+    transfer). The scratch is made on first use: most connections never need it, and one that
+    has not authenticated must not cost SCRATCH_BYTES."""
+    if not isinstance(piece, int):
+        framing.recv_exact_into(sock, piece)
+        return
+    if not hasattr(_scratch, "view"):
+        _scratch.view = memoryview(bytearray(SCRATCH_BYTES))
+    framing.discard(sock, piece, _scratch.view)
 
 
 def _end_write(sink: ReceiveSink, transfer_id: str, nbytes: int, refusal: str,

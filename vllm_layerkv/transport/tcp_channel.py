@@ -18,7 +18,6 @@ import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 
@@ -28,7 +27,7 @@ from vllm_layerkv.kv.blockio import BlockIO
 from vllm_layerkv.transport.base import PendingWrite, SendChannel, TransportError
 from vllm_layerkv.transport.direct import DirectWriteFailed, PeerWriter
 from vllm_layerkv.transport.hooks import ConnectionHook
-from vllm_layerkv.transport.pacing import TokenBucket
+from vllm_layerkv.transport.tcp_streams import Streams
 from vllm_layerkv.wire import framing
 from vllm_layerkv.wire.protocol import (
     BlockData,
@@ -68,7 +67,9 @@ class TcpSendChannel(SendChannel):
     def __init__(self, sock: socket.socket, endpoint: str, blocks: BlockIO,
                  on_ack: Callable[[TransferAck], None], on_lost: Callable[[str], None],
                  path: WritePath, io_timeout: float, hook: ConnectionHook,
-                 pacer: TokenBucket | None = None):
+                 streams: Streams | None = None):
+        """``streams``: the connection's further TCP streams for byte payloads, which also
+        send at the emulated link's rate (``tcp_pacing_gbps``) when it is set."""
         self._sock = sock
         self._endpoint = endpoint
         self._blocks = blocks
@@ -82,9 +83,7 @@ class TcpSendChannel(SendChannel):
         self._hook = hook
         """This end's hook points (``hooks.py``): before each write, before each per-transfer
         message."""
-        # payload bytes at the emulated link's rate (tcp_pacing_gbps), else straight out
-        self._send_payload = (partial(framing.send_all, sock) if pacer is None
-                              else partial(pacer.sendall, sock))
+        self._streams = streams or Streams(endpoint, framing.send_all)
         self._grants: queue.SimpleQueue[WriteGrant | None] = queue.SimpleQueue()
         self._seq = 0
         self._reader = start_thread(self._read_acks, f"layerkv-acks-{endpoint}")
@@ -118,9 +117,10 @@ class TcpSendChannel(SendChannel):
         header = BlockData(transfer_id=transfer_id, layers=list(layers),
                            dst_blocks=list(dst_blocks), block_bytes=block_bytes, nbytes=nbytes)
         try:
+            header.streams = self._streams.usable()
             framing.send_message(self._sock, header)
-            for buf in self._blocks.read(layers, src_blocks):
-                self._send_payload(buf)
+            self._streams.frame(self._sock, self._blocks.read(layers, src_blocks),
+                                header.streams)
         except OSError as e:
             self._fail(f"send to {self._endpoint} failed: {e}")
             raise TransportError(f"send to decode {self._endpoint} failed: {e}") from None
@@ -185,8 +185,9 @@ class TcpSendChannel(SendChannel):
                            first_head=dst_head, num_heads=num_heads)
         payload = self._blocks.read_slices(layers, src_blocks, src_head, num_heads, staging)
         try:
+            header.streams = self._streams.usable()
             framing.send_message(self._sock, header)
-            self._send_payload(payload)
+            self._streams.frame(self._sock, [payload], header.streams)
         except OSError as e:
             self._fail(f"send to {self._endpoint} failed: {e}")
             raise TransportError(f"send to decode {self._endpoint} failed: {e}") from None
@@ -303,6 +304,7 @@ class TcpSendChannel(SendChannel):
 
     def close(self) -> None:
         self._alive = False
+        self._streams.close()
         if self._writer is not None:
             self._writer.close()
         try:

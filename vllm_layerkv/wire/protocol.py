@@ -7,6 +7,8 @@ Two channels use it:
 * the **data channel**, P worker -> D worker: ``Hello`` (compatibility check) answered by
   ``HelloAck`` / ``Refused``; then ``BlockData`` headers each followed by raw KV bytes,
   ``TransferDone`` / ``TransferAbort``; D answers each finished transfer with ``TransferAck``.
+  A payload may be dealt over further TCP streams of the connection, each opened with
+  ``StreamJoin`` / ``StreamJoinAck`` (``transport/tcp_streams.py``).
   ``TransferNearlyDone`` (P's last layer group is being computed) lets an idle D start
   scheduling the request before the last bytes land (``early_release``).
   When P can write into D's memory itself (``Hello.direct`` lists how: CUDA IPC on one host,
@@ -39,7 +41,7 @@ import msgspec
 
 from vllm_layerkv.wire.planes import PlaneExports
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 FRAME_HEADER = struct.Struct("!I")
 
 
@@ -185,6 +187,9 @@ class Hello(msgspec.Struct, tag=True, kw_only=True):
     exports: list[PlaneExports] = []
     """P's own KV, for a decode that reads it itself (with ``cuda_ipc_reads``: a ``KVExport``
     of P's cache); D ignores it unless that setting is on there too."""
+    streams: int = 1
+    """TCP streams P would deal byte payloads over (its ``tcp_streams``;
+    ``transport/tcp_streams.py``)."""
 
 
 class HelloAck(msgspec.Struct, tag=True, kw_only=True):
@@ -192,6 +197,24 @@ class HelloAck(msgspec.Struct, tag=True, kw_only=True):
     exports: list[PlaneExports] = []
     """How P may write into D's KV itself, for the planes P listed that D offers to it; empty:
     send bytes. Each is its plane's export struct (``planes.py``)."""
+    streams: int = 1
+    """TCP streams D accepts on this connection, this one included (at most what P asked)."""
+    stream_token: str = ""
+    """With ``streams`` > 1: what each further stream's ``StreamJoin`` presents."""
+
+
+class StreamJoin(msgspec.Struct, tag=True, kw_only=True):
+    """P worker -> D worker, first message on a further TCP stream of a data connection
+    (instead of a ``Hello``), after the authentication handshake."""
+
+    token: str
+    """The ``HelloAck.stream_token`` of the connection this stream belongs to."""
+    index: int
+    """1 .. ``HelloAck.streams`` - 1."""
+
+
+class StreamJoinAck(msgspec.Struct, tag=True, kw_only=True):
+    index: int
 
 
 class BlockData(msgspec.Struct, tag=True, kw_only=True):
@@ -208,6 +231,9 @@ class BlockData(msgspec.Struct, tag=True, kw_only=True):
     num_heads: int = 0
     """0: whole blocks. Else P and D split the KV heads differently (tp.py): the payload holds
     heads [first_head, first_head + num_heads) of D's blocks, counted in D's block."""
+    streams: int = 1
+    """The connection's TCP streams the payload is dealt over (``transport/tcp_streams.py``);
+    1: all of it follows this header on this connection."""
 
 
 class DirectWrite(msgspec.Struct, tag=True, kw_only=True):
@@ -302,9 +328,9 @@ class TransferAck(msgspec.Struct, tag=True, kw_only=True):
 
 
 Message = Union[
-    Register, Cancel, RegisterAck, Refused, FirstToken, Hello, HelloAck, BlockData, DirectWrite,
-    DirectRead, WriteGrant, DirectWritten, TransferNearlyDone, TransferDone, TransferAbort,
-    TransferAck,
+    Register, Cancel, RegisterAck, Refused, FirstToken, Hello, HelloAck, StreamJoin,
+    StreamJoinAck, BlockData, DirectWrite, DirectRead, WriteGrant, DirectWritten,
+    TransferNearlyDone, TransferDone, TransferAbort, TransferAck,
 ]
 
 PREFILL_TO_DECODE = (BlockData, DirectWrite, DirectRead, DirectWritten, TransferNearlyDone,
@@ -374,7 +400,9 @@ MESSAGE_BYTES: dict[type, int] = {
     Refused: FIELDS_BYTES + ID_BYTES + REASON_BYTES,
     FirstToken: FIELDS_BYTES + ID_BYTES,
     Hello: FIELDS_BYTES + 2 * ID_BYTES + COMPAT_BYTES + PLANE_EXPORTS_BYTES,
-    HelloAck: FIELDS_BYTES + PLANE_EXPORTS_BYTES,
+    HelloAck: FIELDS_BYTES + ID_BYTES + PLANE_EXPORTS_BYTES,
+    StreamJoin: FIELDS_BYTES + ID_BYTES,
+    StreamJoinAck: FIELDS_BYTES,
     BlockData: FIELDS_BYTES + ID_BYTES + LAYERS_BYTES,
     DirectWrite: FIELDS_BYTES + ID_BYTES + LAYERS_BYTES,
     DirectRead: FIELDS_BYTES + ID_BYTES + LAYERS_BYTES,

@@ -1,0 +1,191 @@
+"""transport/tcp_streams.py: how a frame's payload is dealt over a data connection's TCP
+streams, and the streams through LayerKV's TCP transport between a real sender and receiver:
+joined, sized by the smaller setting, authenticated, refused without the connection's token,
+and lost in the middle of a frame."""
+
+from __future__ import annotations
+
+import random
+import socket
+import threading
+from collections import Counter
+
+import pytest
+
+from kv_sides import assert_copied, assert_sentinel, compat, push, task
+from vllm_layerkv.config import LayerKVConfig
+from vllm_layerkv.tasks import RecvTask
+from vllm_layerkv.transport import tcp, tcp_streams
+from vllm_layerkv.transport.tcp_streams import deal
+from vllm_layerkv.wire import framing
+from vllm_layerkv.wire.auth import SECRET_ENV, ChannelAuth, connect_handshake
+from vllm_layerkv.wire.protocol import Hello, HelloAck, Refused, StreamJoin, StreamJoinAck
+
+BLOCKS = 16
+"""Blocks per transfer: a two-layer group of them is 128 KiB, 32 chunks of the 4 KiB below."""
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One 4 KiB block per chunk, so that the tests' frames spread over every stream."""
+    monkeypatch.setattr(tcp_streams, "CHUNK_BYTES", 4096)
+
+
+@pytest.fixture
+def pieces_by_socket(monkeypatch: pytest.MonkeyPatch) -> Counter[int]:
+    """Bytes D received into its KV, per socket (by file descriptor)."""
+    got: Counter[int] = Counter()
+    lock = threading.Lock()
+    receive = tcp._receive_piece
+
+    def counting(sock: socket.socket, piece: tcp_streams.Piece) -> None:
+        receive(sock, piece)
+        with lock:
+            got[sock.fileno()] += piece if isinstance(piece, int) else len(piece)
+
+    monkeypatch.setattr(tcp, "_receive_piece", counting)
+    return got
+
+
+def per_stream(payload: bytes, sizes: list[int], streams: int, chunk: int) -> list[bytes]:
+    """Each stream's bytes when ``payload`` is moved as buffers of ``sizes``."""
+    out = [bytearray() for _ in range(streams)]
+    offset = 0
+    for size in sizes:
+        buf = payload[offset:offset + size]
+        for index, start, end in deal(offset, size, streams, chunk):
+            assert 0 < end - start <= chunk
+            out[index] += buf[start:end]
+        offset += size
+    return [bytes(b) for b in out]
+
+
+def test_the_deal_depends_on_payload_offsets_only_not_on_the_buffers() -> None:
+    """P's buffers (runs of its blocks, staging halves) and D's (runs of its blocks) are cut
+    differently; both ends must still put every byte on the same stream, in the same order."""
+    payload = bytes(range(100))
+    whole = per_stream(payload, [100], streams=3, chunk=8)
+    assert whole == [b"".join(payload[k * 8:(k + 1) * 8] for k in range(first, 13, 3))
+                     for first in range(3)]
+    rng = random.Random(0)
+    for _ in range(200):
+        cuts = sorted(rng.sample(range(1, 100), rng.randint(1, 30)))
+        sizes = [b - a for a, b in zip([0, *cuts], [*cuts, 100])]
+        assert per_stream(payload, sizes, streams=3, chunk=8) == whole
+
+
+def _transfer(d_side, p_side, pieces: Counter[int] | None = None, d_config=None,
+              p_config=None) -> tuple:
+    d = d_side(config=d_config)
+    p = p_side(config=p_config)
+    src, dst = list(range(BLOCKS)), list(range(BLOCKS, 2 * BLOCKS))
+    d.table.expect(RecvTask("r", "t", dst))
+    push(p, [task("t", d, src, dst, req_id="r")])
+    out = p.wait_state("t", ["acked", "failed"])
+    assert out.state == "acked", out.reason
+    assert d.drain_until(lambda f, x: bool(f or x)) == ({"r"}, set())
+    assert_copied(p, d, list(zip(src, dst)))
+    return p, d
+
+
+def test_a_transfer_goes_over_four_streams_and_lands_intact(d_side, p_side,
+                                                             pieces_by_socket) -> None:
+    p, d = _transfer(d_side, p_side)
+    assert d.transport.connections == 4  # the default tcp_streams
+    total = 4 * BLOCKS * 4096  # 4 layers
+    assert sum(pieces_by_socket.values()) == total
+    assert sorted(pieces_by_socket.values()) == [total // 4] * 4  # a quarter on each
+
+
+def test_the_pair_uses_the_smaller_setting(d_side, p_side, pieces_by_socket) -> None:
+    _, d = _transfer(d_side, p_side, d_config=LayerKVConfig(tcp_streams=2))
+    assert d.transport.connections == 2
+    assert len(pieces_by_socket) == 2
+    pieces_by_socket.clear()
+    _, d = _transfer(d_side, p_side, p_config=LayerKVConfig(tcp_streams=1))
+    assert d.transport.connections == 1
+    assert len(pieces_by_socket) == 1
+
+
+def test_every_stream_authenticates_like_a_data_connection(
+        d_side, p_side, pieces_by_socket, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(SECRET_ENV, "s" * 32)  # P and D, both in this process
+    _, d = _transfer(d_side, p_side)
+    assert d.transport.connections == 4 and len(pieces_by_socket) == 4
+    # without the secret a stream cannot even present a token
+    sock = framing.connect(d.endpoint, 2.0)
+    try:
+        with pytest.raises(Exception):  # noqa: B017 - the handshake fails, whichever way
+            connect_handshake(sock, ChannelAuth(), 2.0)
+            framing.send_message(sock, StreamJoin(token="0" * 32, index=1))
+            framing.recv_message(sock)
+    finally:
+        sock.close()
+
+
+def _join(d_endpoint: str, token: str, index: int) -> object:
+    sock = framing.connect(d_endpoint, 2.0)
+    connect_handshake(sock, ChannelAuth(), 2.0)
+    framing.send_message(sock, StreamJoin(token=token, index=index))
+    answer = framing.recv_message(sock)
+    if isinstance(answer, Refused):
+        sock.settimeout(2.0)
+        with pytest.raises((framing.PeerClosed, OSError)):  # and D closed the stream
+            framing.recv_message(sock)
+        sock.close()
+    return answer, sock
+
+
+def test_a_stream_joins_only_with_its_connection_s_token_and_a_free_index(d_side) -> None:
+    d = d_side()
+    control = framing.connect(d.endpoint, 2.0)
+    connect_handshake(control, ChannelAuth(), 2.0)
+    framing.send_message(control, Hello(compat=compat(), engine_id="raw-p", tp_rank=0,
+                                        tp_size=1, streams=3))
+    ack = framing.recv_message(control)
+    assert isinstance(ack, HelloAck) and ack.streams == 3 and len(ack.stream_token) == 32
+    refused, _ = _join(d.endpoint, "0" * 32, 1)
+    assert isinstance(refused, Refused) and "no data connection offered" in refused.reason
+    joined, stream = _join(d.endpoint, ack.stream_token, 1)
+    assert joined == StreamJoinAck(index=1)
+    for index in (1, 3, 0):  # taken, beyond what D granted, the connection itself
+        refused, _ = _join(d.endpoint, ack.stream_token, index)
+        assert isinstance(refused, Refused) and "not one this connection may" in refused.reason
+    control.close()  # the connection ends: its streams end with it, its token is gone
+    stream.settimeout(2.0)
+    with pytest.raises((framing.PeerClosed, OSError)):
+        framing.recv_message(stream)
+    stream.close()
+    refused, _ = _join(d.endpoint, ack.stream_token, 2)
+    assert isinstance(refused, Refused)
+
+
+def test_a_stream_lost_inside_a_frame_fails_the_transfer_on_both_ends(
+        d_side, p_side, monkeypatch: pytest.MonkeyPatch) -> None:
+    receive = tcp._receive_piece
+    seen: list[int] = []
+
+    def lose_a_stream(sock: socket.socket, piece: tcp_streams.Piece) -> None:
+        if sock.fileno() not in seen:
+            seen.append(sock.fileno())
+        if len(seen) > 1 and sock.fileno() == seen[1]:  # a stream, not the connection
+            sock.shutdown(socket.SHUT_RDWR)
+        receive(sock, piece)
+
+    monkeypatch.setattr(tcp, "_receive_piece", lose_a_stream)
+    d = d_side()
+    p = p_side()
+    src, dst = list(range(BLOCKS)), list(range(BLOCKS, 2 * BLOCKS))
+    d.table.expect(RecvTask("r", "t", dst))
+    push(p, [task("t", d, src, dst, req_id="r")])
+    out = p.wait_state("t", ["acked", "failed"])
+    assert out.state == "failed"
+    assert d.drain_until(lambda f, x: bool(f or x)) == (set(), {"r"})
+    # and the next transfer opens a new connection, with new streams
+    monkeypatch.setattr(tcp, "_receive_piece", receive)
+    d.table.expect(RecvTask("r2", "t2", [40, 41]))
+    push(p, [task("t2", d, [0, 1], [40, 41], req_id="r2")])
+    out = p.wait_state("t2", ["acked", "failed"])
+    assert out.state == "acked", out.reason
+    d.drain_until(lambda f, x: "r2" in f)
+    assert_sentinel(d, exclude={(layer, b) for layer in range(4) for b in [*dst, 40, 41]})
