@@ -189,3 +189,14 @@ def test_a_stream_lost_inside_a_frame_fails_the_transfer_on_both_ends(
     assert out.state == "acked", out.reason
     d.drain_until(lambda f, x: "r2" in f)
     assert_sentinel(d, exclude={(layer, b) for layer in range(4) for b in [*dst, 40, 41]})
+
+
+def test_streams_the_listener_has_no_room_for_cost_speed_not_the_transfer(
+        d_side, p_side, pieces_by_socket, caplog: pytest.LogCaptureFixture) -> None:
+    """D's data listener serves two connections (``max_connections``): P's third stream is
+    closed at admission, P logs it and deals its frames over the two that joined."""
+    with caplog.at_level("WARNING", logger="vllm_layerkv.transport.tcp"):
+        _, d = _transfer(d_side, p_side, d_config=LayerKVConfig(max_connections=2))
+    assert d.transport.connections == 2
+    assert len(pieces_by_socket) == 2
+    assert "TCP stream 3 of 4" in caplog.text and "sending over 2" in caplog.text
