@@ -265,7 +265,8 @@ def run_p(spec: dict[str, Any], endpoint: str) -> dict[str, Any]:
         channel = next(iter(sender._channels.values()), None)
         return {"seconds": seconds, "states": states, "used": transport.name,
                 "direct": bool(getattr(channel, "direct", False)),
-                "bounces": bool(getattr(channel, "bounces", False))}
+                "bounces": bool(getattr(channel, "bounces", False)),
+                "streams": getattr(channel, "streams", 1)}
     finally:
         sender.shutdown()
         transport.shutdown()
@@ -369,6 +370,7 @@ def run_case(transport: str, args: argparse.Namespace, spec: dict[str, Any]) -> 
         return {**case, "error": f"prefill side exited with {p.returncode}: "
                                  f"{p.stderr[-2000:]}{tail(log)}"}
     case.update(used=p_res["used"], direct=p_res["direct"], bounces=p_res["bounces"],
+                streams=p_res.get("streams", 1),
                 states=p_res["states"], seconds=[round(s, 6) for s in p_res["seconds"]],
                 checked=d_res)
     timed = p_res["seconds"][1:]
@@ -443,6 +445,8 @@ def main() -> int:
         args.out.write_text(json.dumps(record, indent=1))
         rate = f"{case['gbps']:.2f} GB/s" if case["ok"] else f"failed: {case['error'][:300]}"
         bounce = " host_bounce" if case.get("bounces") else ""
+        if case.get("streams", 1) > 1:
+            bounce += f", {case['streams']} TCP streams"
         print(f"[probe] {transport} ({case.get('used', '-')}{bounce}, UCX_TLS="
               f"{case['ucx_tls'] or '-'}): {case['nbytes'] / 1e6:.1f} MB per transfer, {rate}",
               flush=True)

@@ -71,12 +71,13 @@ def test_the_probe_measures_layerkv_s_tcp_path_between_two_processes(tmp_path: P
     assert record["command"].endswith(f"--out {out}")
     tcp, ipc = record["results"]
     assert tcp["ok"] and tcp["used"] == "tcp" and not tcp["direct"], tcp
+    assert tcp["streams"] == 4  # tcp_streams' default: the pacing covers all four
     assert tcp["checked"] == {"finished": 3, "failed": [], "mismatched": 0}
     assert tcp["nbytes"] == 2048 * link_probe.kv_token_bytes(TINY, "float32")
     # 0.05 GB/s paced; the acknowledgement's round trip makes it come out a little under
     assert 0.8 * 0.05 < tcp["gbps"] <= 1.02 * 0.05, tcp
     assert not ipc["ok"] and "--device cuda" in ipc["error"]
-    assert "[probe] tcp (tcp, UCX_TLS=-)" in r.stdout
+    assert "[probe] tcp (tcp, 4 TCP streams, UCX_TLS=-)" in r.stdout
 
 
 def test_busy_threads_hold_the_gil_in_both_peers_while_the_bytes_still_arrive(

@@ -92,14 +92,15 @@ def test_a_transfer_goes_over_four_streams_and_lands_intact(d_side, p_side,
                                                              pieces_by_socket) -> None:
     p, d = _transfer(d_side, p_side)
     assert d.transport.connections == 4  # the default tcp_streams
+    assert p.sender._channel(d.endpoint).streams == 4
     total = 4 * BLOCKS * 4096  # 4 layers
     assert sum(pieces_by_socket.values()) == total
     assert sorted(pieces_by_socket.values()) == [total // 4] * 4  # a quarter on each
 
 
 def test_the_pair_uses_the_smaller_setting(d_side, p_side, pieces_by_socket) -> None:
-    _, d = _transfer(d_side, p_side, d_config=LayerKVConfig(tcp_streams=2))
-    assert d.transport.connections == 2
+    p, d = _transfer(d_side, p_side, d_config=LayerKVConfig(tcp_streams=2))
+    assert d.transport.connections == 2 and p.sender._channel(d.endpoint).streams == 2
     assert len(pieces_by_socket) == 2
     pieces_by_socket.clear()
     _, d = _transfer(d_side, p_side, p_config=LayerKVConfig(tcp_streams=1))

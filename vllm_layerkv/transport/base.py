@@ -113,6 +113,12 @@ class SendChannel(ABC):
         them through pinned host memory (``host_bounce``)."""
         return False
 
+    @property
+    def streams(self) -> int:
+        """TCP connections this channel's byte payloads are dealt over (``tcp_streams``); 1
+        for a channel that sends no bytes."""
+        return 1
+
     @abstractmethod
     def send_nearly_done(self, transfer_id: str, tp_rank: int, eta_s: float) -> None:
         """Hint (``TransferNearlyDone``): only the last layer group is still to come, in about

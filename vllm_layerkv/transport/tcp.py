@@ -255,6 +255,8 @@ class TcpTransport(Transport):
                 logger.warning("LayerKV: TCP stream %d of %d to decode %s did not open (%s); "
                                "sending over %d", index + 1, reply.streams, endpoint, e, index)
                 return
+        logger.info("LayerKV: KV bytes to decode %s over %d TCP streams", endpoint,
+                    streams.usable())
 
     def _attach(self, endpoint: str, reply: HelloAck) -> PeerWriter | None:
         """The first plane, in this worker's order, that reaches D's KV; None to send bytes."""

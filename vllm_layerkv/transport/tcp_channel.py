@@ -101,6 +101,10 @@ class TcpSendChannel(SendChannel):
         return self._writer is not None and self._writer.host_bounce
 
     @property
+    def streams(self) -> int:
+        return 1 if self._writer is not None else self._streams.usable()
+
+    @property
     def reads(self) -> bool:
         """D copies the blocks itself from this worker's KV (``cuda_ipc_reads``)."""
         return self._writer is not None and self._writer.reads
