@@ -180,9 +180,10 @@ class LayerKVConfig:
     """KV bytes over TCP (``transport: tcp``, or ``auto`` where no direct plane reaches D): the
     TCP connections each (P rank, D rank) pair deals its payloads over, the data connection
     included (``transport/tcp_streams.py``). One connection moves a few GB/s, its bytes copied
-    by one core at each end; on an H200 host's loopback four moved four times as much. The
-    pair uses the smaller of P's and D's setting; each stream is one more connection on D's
-    data listener (``max_connections``) and one thread at each end. 1 = one connection."""
+    by one core at each end; on an H200 host's loopback the link probe moved 2.8-3x as much
+    over four. The pair uses the smaller of P's and D's setting; each stream is one more
+    connection on D's data listener (``max_connections``) and one thread at each end. 1 = one
+    connection."""
 
     # --- prefill TP != decode TP (tp.py, staging.py) --------------------------------------
     tp_staging: bool = True
