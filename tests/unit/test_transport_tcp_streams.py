@@ -164,32 +164,42 @@ def test_a_stream_joins_only_with_its_connection_s_token_and_a_free_index(d_side
 def test_a_stream_lost_inside_a_frame_fails_the_transfer_on_both_ends(
         d_side, p_side, monkeypatch: pytest.MonkeyPatch) -> None:
     receive = tcp._receive_piece
+    armed = threading.Event()
     seen: list[int] = []
+    lock = threading.Lock()
 
     def lose_a_stream(sock: socket.socket, piece: tcp_streams.Piece) -> None:
-        if sock.fileno() not in seen:
-            seen.append(sock.fileno())
-        if len(seen) > 1 and sock.fileno() == seen[1]:  # a stream, not the connection
-            sock.shutdown(socket.SHUT_RDWR)
+        with lock:  # once armed, the second socket that gets a piece is shut: a stream
+            if armed.is_set() and sock.fileno() not in seen:
+                seen.append(sock.fileno())
+            lose = len(seen) > 1 and sock.fileno() == seen[1]
+        if lose:  # what a reset connection does (a shut socket would still hand out what
+            sock.shutdown(socket.SHUT_RDWR)  # it had buffered)
+            raise ConnectionResetError("connection reset by peer")
         receive(sock, piece)
 
-    monkeypatch.setattr(tcp, "_receive_piece", lose_a_stream)
-    d = d_side()
-    p = p_side()
-    src, dst = list(range(BLOCKS)), list(range(BLOCKS, 2 * BLOCKS))
-    d.table.expect(RecvTask("r", "t", dst))
-    push(p, [task("t", d, src, dst, req_id="r")])
-    out = p.wait_state("t", ["acked", "failed"])
-    assert out.state == "failed"
-    assert d.drain_until(lambda f, x: bool(f or x)) == (set(), {"r"})
+    monkeypatch.setattr(tcp, "_receive_piece", lose_a_stream)  # D's connection takes it
+    p, d = _transfer(d_side, p_side)  # the connection and its four streams are up
+    assert p.sender._channel(d.endpoint).streams == 4
+    armed.set()
+    src, dst = list(range(BLOCKS)), list(range(2 * BLOCKS, 3 * BLOCKS))
+    d.table.expect(RecvTask("r1", "t1", dst))
+    push(p, [task("t1", d, src, dst, req_id="r1")])
+    out = p.wait_state("t1", ["acked", "failed"])
+    assert out.state == "failed", seen
+    assert d.drain_until(lambda f, x: bool(f or x)) == (set(), {"r1"})
     # and the next transfer opens a new connection, with new streams
-    monkeypatch.setattr(tcp, "_receive_piece", receive)
-    d.table.expect(RecvTask("r2", "t2", [40, 41]))
-    push(p, [task("t2", d, [0, 1], [40, 41], req_id="r2")])
+    armed.clear()
+    seen.clear()
+    d.table.expect(RecvTask("r2", "t2", [60, 61]))
+    push(p, [task("t2", d, [0, 1], [60, 61], req_id="r2")])
     out = p.wait_state("t2", ["acked", "failed"])
     assert out.state == "acked", out.reason
     d.drain_until(lambda f, x: "r2" in f)
-    assert_sentinel(d, exclude={(layer, b) for layer in range(4) for b in [*dst, 40, 41]})
+    assert p.sender._channel(d.endpoint).streams == 4
+    written = range(BLOCKS, 2 * BLOCKS), dst, [60, 61]
+    assert_sentinel(d, exclude={(layer, b) for layer in range(4) for part in written
+                                for b in part})
 
 
 def test_streams_the_listener_has_no_room_for_cost_speed_not_the_transfer(
@@ -201,3 +211,29 @@ def test_streams_the_listener_has_no_room_for_cost_speed_not_the_transfer(
     assert d.transport.connections == 2
     assert len(pieces_by_socket) == 2
     assert "TCP stream 3 of 4" in caplog.text and "sending over 2" in caplog.text
+
+
+def test_a_frame_d_no_longer_wants_is_dropped_from_every_stream_and_they_stay_in_step(
+        d_side, p_side, pieces_by_socket) -> None:
+    """D closed the transfer before its frames came: each stream's pieces are read and
+    dropped, so the next transfer on the same connection finds every stream at its own
+    frame's first byte and lands intact."""
+    d, p = d_side(), p_side()
+    src, dst = list(range(BLOCKS)), list(range(BLOCKS, 2 * BLOCKS))
+    d.table.expect(RecvTask("r", "t", dst))
+    d.table.close("t", failed=False, reason="aborted")  # D's request ended
+    assert d.table.drain() == ({"r"}, set())
+    push(p, [task("t", d, src, dst, req_id="r")])
+    out = p.wait_state("t", ["acked", "failed"])
+    assert out.state == "failed" and "decode no longer waits" in out.reason
+    assert_sentinel(d)
+    dropped = dict(pieces_by_socket)
+    assert len(dropped) == 4 and sum(dropped.values()) == 4 * BLOCKS * 4096
+    other = list(range(2 * BLOCKS, 3 * BLOCKS))
+    d.table.expect(RecvTask("r2", "t2", other))
+    push(p, [task("t2", d, src, other, req_id="r2")])
+    out = p.wait_state("t2", ["acked", "failed"])
+    assert out.state == "acked", out.reason
+    assert d.drain_until(lambda f, x: bool(f or x)) == ({"r2"}, set())
+    assert_copied(p, d, list(zip(src, other)))
+    assert d.transport.connections == 4  # the same connection and streams
