@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 import socket
 import threading
+import time
 from collections import Counter
 
 import pytest
@@ -237,3 +238,35 @@ def test_a_frame_d_no_longer_wants_is_dropped_from_every_stream_and_they_stay_in
     assert d.drain_until(lambda f, x: bool(f or x)) == ({"r2"}, set())
     assert_copied(p, d, list(zip(src, other)))
     assert d.transport.connections == 4  # the same connection and streams
+
+
+def test_a_stream_p_loses_fails_the_transfer_on_d_at_once_not_after_io_timeout(
+        d_side, p_side, monkeypatch: pytest.MonkeyPatch) -> None:
+    """P's send on a stream fails: P stops the frame, and D, which still waits for the rest
+    of the payload on the data connection, learns at once that the connection is dead. P's
+    blocks are every other one (P reads one 4 KiB run at a time) and D's one run (D reads a
+    layer at a time), so P stops at its second piece while D waits on stream 0 for its
+    fifth."""
+    send = framing.send_all
+    armed = threading.Event()
+    control: list[socket.socket] = []
+
+    def reset_a_stream(sock: socket.socket, data: bytes | memoryview) -> None:
+        if armed.is_set() and sock not in control and len(data) > 100:
+            raise ConnectionResetError("connection reset by peer")
+        send(sock, data)
+
+    monkeypatch.setattr(framing, "send_all", reset_a_stream)  # P's streams take it
+    p, d = _transfer(d_side, p_side)
+    channel = p.sender._channel(d.endpoint)
+    assert channel.streams == 4
+    control.append(channel._sock)
+    armed.set()
+    src, dst = list(range(0, 2 * BLOCKS, 2)), list(range(2 * BLOCKS, 3 * BLOCKS))
+    d.table.expect(RecvTask("r1", "t1", dst))
+    start = time.monotonic()
+    push(p, [task("t1", d, src, dst, req_id="r1")])
+    out = p.wait_state("t1", ["acked", "failed"])
+    assert out.state == "failed" and "connection reset" in out.reason
+    assert d.drain_until(lambda f, x: bool(f or x)) == (set(), {"r1"})
+    assert time.monotonic() - start < 2.0  # D's io_timeout_s is 5 s

@@ -348,7 +348,15 @@ class TcpSendChannel(SendChannel):
             self._fail(f"connection to decode {self._endpoint} lost: {e}")
 
     def _fail(self, reason: str) -> None:
+        """The channel is dead: its transfers fail here, and D hears of it at once (its end of
+        the connection and of the streams reads end of file) instead of waiting io_timeout_s
+        in the middle of a frame, e.g. for the rest of a payload a failed stream cut short."""
         if self._alive:
             self._alive = False
+            self._streams.shut()
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
             self._grants.put(None)  # wake a sender waiting for a grant
             self._on_lost(reason)
