@@ -123,6 +123,9 @@ class Streams:
             try:
                 self._move(sock, piece)
             except BaseException as e:  # noqa: BLE001 - handed to the frame's thread
+                # the other streams stop too: the peer, whose sends or reads on them would
+                # otherwise wait for io_timeout_s, fails its end of the frame at once
+                self.shut()
                 done.put(e)
             else:
                 done.put(None)
