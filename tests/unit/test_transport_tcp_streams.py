@@ -75,17 +75,21 @@ def test_the_deal_depends_on_payload_offsets_only_not_on_the_buffers() -> None:
         assert per_stream(payload, sizes, streams=3, chunk=8) == whole
 
 
-def _transfer(d_side, p_side, pieces: Counter[int] | None = None, d_config=None,
-              p_config=None) -> tuple:
+def _lands(p, d, name: str, src: list[int], dst: list[int]) -> None:
+    """Transfer ``name`` of P's ``src`` blocks into D's ``dst``: acknowledged, reported once,
+    the bytes intact and nothing else on D written."""
+    d.table.expect(RecvTask(f"req-{name}", name, dst))
+    push(p, [task(name, d, src, dst, req_id=f"req-{name}")])
+    out = p.wait_state(name, ["acked", "failed"])
+    assert out.state == "acked", out.reason
+    assert d.drain_until(lambda f, x: bool(f or x)) == ({f"req-{name}"}, set())
+    assert_copied(p, d, list(zip(src, dst)))
+
+
+def _transfer(d_side, p_side, d_config=None, p_config=None) -> tuple:
     d = d_side(config=d_config)
     p = p_side(config=p_config)
-    src, dst = list(range(BLOCKS)), list(range(BLOCKS, 2 * BLOCKS))
-    d.table.expect(RecvTask("r", "t", dst))
-    push(p, [task("t", d, src, dst, req_id="r")])
-    out = p.wait_state("t", ["acked", "failed"])
-    assert out.state == "acked", out.reason
-    assert d.drain_until(lambda f, x: bool(f or x)) == ({"r"}, set())
-    assert_copied(p, d, list(zip(src, dst)))
+    _lands(p, d, "t", list(range(BLOCKS)), list(range(BLOCKS, 2 * BLOCKS)))
     return p, d
 
 
@@ -230,13 +234,7 @@ def test_a_frame_d_no_longer_wants_is_dropped_from_every_stream_and_they_stay_in
     assert_sentinel(d)
     dropped = dict(pieces_by_socket)
     assert len(dropped) == 4 and sum(dropped.values()) == 4 * BLOCKS * 4096
-    other = list(range(2 * BLOCKS, 3 * BLOCKS))
-    d.table.expect(RecvTask("r2", "t2", other))
-    push(p, [task("t2", d, src, other, req_id="r2")])
-    out = p.wait_state("t2", ["acked", "failed"])
-    assert out.state == "acked", out.reason
-    assert d.drain_until(lambda f, x: bool(f or x)) == ({"r2"}, set())
-    assert_copied(p, d, list(zip(src, other)))
+    _lands(p, d, "t2", src, list(range(2 * BLOCKS, 3 * BLOCKS)))
     assert d.transport.connections == 4  # the same connection and streams
 
 
