@@ -36,12 +36,12 @@ than its connection's is a protocol error.
 
 Threads: D runs one accept thread and one reader thread per connection; P runs one ack-reader
 thread per connection (the sender thread writes); each further TCP stream has one thread at
-each end. Data sockets block, with ``io_timeout_s`` as
-the kernel's timeouts (``framing.set_io_timeout``): a layer's payload is one send on P and one
-receive on D, outside the GIL that the engine's thread holds while it steps; idle waits for
-the next message poll. P's end of a connection is
-``tcp_channel.TcpSendChannel``; this module opens it, and serves D's end. Each end has a hook
-(``hooks.py``), which does nothing unless the process's environment installs the test hook.
+each end. Data sockets block, with ``io_timeout_s`` as the kernel's timeouts
+(``framing.set_io_timeout``): a layer's payload is one send on P and one receive on D (per
+stream), outside the GIL that the engine's thread holds while it steps; idle waits for the
+next message poll. P's end of a connection is ``tcp_channel.TcpSendChannel``; this module opens
+it, and serves D's end. Each end has a hook (``hooks.py``), which does nothing unless the
+process's environment installs the test hook.
 """
 
 from __future__ import annotations
