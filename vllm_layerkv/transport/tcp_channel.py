@@ -119,9 +119,9 @@ class TcpSendChannel(SendChannel):
         block_bytes = self._blocks.block_bytes
         nbytes = len(layers) * len(src_blocks) * block_bytes
         header = BlockData(transfer_id=transfer_id, layers=list(layers),
-                           dst_blocks=list(dst_blocks), block_bytes=block_bytes, nbytes=nbytes)
+                           dst_blocks=list(dst_blocks), block_bytes=block_bytes, nbytes=nbytes,
+                           streams=self._streams.usable())
         try:
-            header.streams = self._streams.usable()
             framing.send_message(self._sock, header)
             self._streams.frame(self._sock, self._blocks.read(layers, src_blocks),
                                 header.streams)
@@ -186,10 +186,10 @@ class TcpSendChannel(SendChannel):
         nbytes = len(layers) * len(src_blocks) * per_block
         header = BlockData(transfer_id=transfer_id, layers=list(layers),
                            dst_blocks=list(dst_blocks), block_bytes=per_block, nbytes=nbytes,
-                           first_head=dst_head, num_heads=num_heads)
+                           first_head=dst_head, num_heads=num_heads,
+                           streams=self._streams.usable())
         payload = self._blocks.read_slices(layers, src_blocks, src_head, num_heads, staging)
         try:
-            header.streams = self._streams.usable()
             framing.send_message(self._sock, header)
             self._streams.frame(self._sock, [payload], header.streams)
         except OSError as e:

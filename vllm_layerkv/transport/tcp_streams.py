@@ -132,13 +132,11 @@ class Streams:
 
     def frame(self, stream0: socket.socket, buffers: Iterable[Piece], streams: int) -> None:
         """Move one frame's payload, ``buffers`` in payload order, dealt over ``streams``
-        streams; stream 0 is ``stream0``, moved by the calling thread. Every piece of a buffer
+        streams (at most ``usable()``: P deals over what it has, D refuses a header that names
+        more); stream 0 is ``stream0``, moved by the calling thread. Every piece of a buffer
         has moved before the next buffer is taken from ``buffers`` (a sender's staging buffer
         is reused, a receiver's copied to the device, when its generator goes on). Raises the
         first failure, once no stream moves any piece of the frame any more."""
-        if streams > 1 and streams > self.usable():
-            raise StreamsFailed(f"a frame dealt over {streams} streams, but connection "
-                                f"{self._name} has {self.usable()}")
         offset = 0
         for buf in buffers:
             size = buf if isinstance(buf, int) else len(buf)
