@@ -14,13 +14,20 @@ from collections import Counter
 import pytest
 
 from kv_sides import assert_copied, assert_sentinel, compat, push, task
-from vllm_layerkv.config import LayerKVConfig
+from vllm_layerkv.config import ConfigError, LayerKVConfig
 from vllm_layerkv.tasks import RecvTask
 from vllm_layerkv.transport import tcp, tcp_streams
 from vllm_layerkv.transport.tcp_streams import deal
 from vllm_layerkv.wire import framing
 from vllm_layerkv.wire.auth import SECRET_ENV, ChannelAuth, connect_handshake
-from vllm_layerkv.wire.protocol import Hello, HelloAck, Refused, StreamJoin, StreamJoinAck
+from vllm_layerkv.wire.protocol import (
+    BlockData,
+    Hello,
+    HelloAck,
+    Refused,
+    StreamJoin,
+    StreamJoinAck,
+)
 
 BLOCKS = 16
 """Blocks per transfer: a two-layer group of them is 128 KiB, 32 chunks of the 4 KiB below."""
@@ -174,10 +181,12 @@ def test_a_stream_lost_inside_a_frame_fails_the_transfer_on_both_ends(
     lock = threading.Lock()
 
     def lose_a_stream(sock: socket.socket, piece: tcp_streams.Piece) -> None:
-        with lock:  # once armed, the second socket that gets a piece is shut: a stream
+        with lock:  # once armed, the second socket that gets a piece is lost: a stream
             if armed.is_set() and sock.fileno() not in seen:
                 seen.append(sock.fileno())
-            lose = len(seen) > 1 and sock.fileno() == seen[1]
+            lose = armed.is_set() and len(seen) > 1 and sock.fileno() == seen[1]
+            if lose:  # once: the sender may go on with the transfer's later groups on a new
+                armed.clear()  # connection, whose sockets can reuse the lost ones' numbers
         if lose:  # what a reset connection does (a shut socket would still hand out what
             sock.shutdown(socket.SHUT_RDWR)  # it had buffered)
             raise ConnectionResetError("connection reset by peer")
@@ -193,14 +202,19 @@ def test_a_stream_lost_inside_a_frame_fails_the_transfer_on_both_ends(
     out = p.wait_state("t1", ["acked", "failed"])
     assert out.state == "failed", seen
     assert d.drain_until(lambda f, x: bool(f or x)) == (set(), {"r1"})
-    # and the next transfer opens a new connection, with new streams
-    armed.clear()
-    seen.clear()
-    d.table.expect(RecvTask("r2", "t2", [60, 61]))
-    push(p, [task("t2", d, [0, 1], [60, 61], req_id="r2")])
-    out = p.wait_state("t2", ["acked", "failed"])
+    # and a later transfer opens a new connection, with new streams. One sent while the lost
+    # connection is still being torn down can fail too (seen about once in 20 runs, "connection
+    # closed by peer"); the one after it must land.
+    for attempt in (2, 3):
+        d.table.expect(RecvTask(f"r{attempt}", f"t{attempt}", [60, 61]))
+        push(p, [task(f"t{attempt}", d, [0, 1], [60, 61], req_id=f"r{attempt}")])
+        out = p.wait_state(f"t{attempt}", ["acked", "failed"])
+        if out.state == "acked":
+            break
+        assert attempt == 2 and "connection" in out.reason, out.reason
+        d.table.close("t2", failed=True, reason="its prefill failed")  # as D's timeout would
     assert out.state == "acked", out.reason
-    d.drain_until(lambda f, x: "r2" in f)
+    d.drain_until(lambda f, x, r=out.req_id: r in f)
     assert p.sender._channel(d.endpoint).streams == 4
     written = range(BLOCKS, 2 * BLOCKS), dst, [60, 61]
     assert_sentinel(d, exclude={(layer, b) for layer in range(4) for part in written
@@ -268,3 +282,28 @@ def test_a_stream_p_loses_fails_the_transfer_on_d_at_once_not_after_io_timeout(
     assert out.state == "failed" and "connection reset" in out.reason
     assert d.drain_until(lambda f, x: bool(f or x)) == (set(), {"r1"})
     assert time.monotonic() - start < 2.0  # D's io_timeout_s is 5 s
+
+
+def test_a_frame_that_names_streams_the_connection_lacks_drops_the_connection(d_side) -> None:
+    d = d_side()
+    d.table.expect(RecvTask("r", "t", [1, 2]))
+    sock = framing.connect(d.endpoint, 2.0)
+    connect_handshake(sock, ChannelAuth(), 2.0)
+    framing.send_message(sock, Hello(compat=compat(), engine_id="raw-p", tp_rank=0, tp_size=1))
+    assert framing.recv_message(sock) == HelloAck(tp_rank=0)  # no streams offered
+    framing.send_message(sock, BlockData(transfer_id="t", layers=[0], dst_blocks=[1, 2],
+                                         block_bytes=4096, nbytes=2 * 4096, streams=2))
+    sock.settimeout(2.0)
+    with pytest.raises((framing.PeerClosed, OSError)):  # D dropped the connection
+        framing.recv_message(sock)
+    sock.close()
+    assert_sentinel(d)
+
+
+def test_the_setting_is_validated_and_read_from_the_environment(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    for bad in (0, 17):
+        with pytest.raises(ConfigError, match=f"tcp_streams={bad} must be between 1 and 16"):
+            LayerKVConfig.from_extra_config({"tcp_streams": bad})
+    monkeypatch.setenv("LAYERKV_TCP_STREAMS", "8")
+    assert LayerKVConfig.from_extra_config({}).tcp_streams == 8
