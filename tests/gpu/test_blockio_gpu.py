@@ -1,7 +1,8 @@
-"""``StagedBlockIO`` on a GPU: the two-half pipeline (the device copy of one layer runs while the
+"""``StagedBlockIO`` on a GPU: the two-half pipeline (the device copy of one piece runs while the
 caller sends or receives the other) moves every byte of every layer to and from the right
 blocks, for block lists in one run, in a few runs (copied run by run) and scattered (gathered
-and scattered by an index kernel), and a write the caller gave up on leaves the next one exact.
+and scattered by an index kernel), with the frame's edge layer whole and cut
+(``frame_pieces``), and a write the caller gave up on leaves the next one exact.
 Skipped without CUDA (CI); on a GPU host it also runs as a script, where pytest is not
 installed.
 """
@@ -46,22 +47,44 @@ def payload(layers: int, blocks: int, block_bytes: int, seed: int) -> torch.Tens
                          generator=gen)
 
 
-def test_every_layer_round_trips_through_the_two_halves() -> None:
-    io, layout = make_io()
+def fill(bufs, data: torch.Tensor) -> int:
+    """Fill the buffers a write hands out, in order, with ``data``'s bytes; how many there
+    were."""
+    flat, at, n = data.numpy().tobytes(), 0, 0
+    for n, buf in enumerate(bufs, 1):
+        buf[:] = flat[at:at + len(buf)]
+        at += len(buf)
+    assert at == len(flat)
+    return n
+
+
+def round_trip(io, layout, edge_bytes: int) -> None:
+    io.edge_bytes = edge_bytes
     for seed, (name, ids) in enumerate(BLOCK_LISTS.items()):
         layers = [0, 1, 2, 3, 4] if seed % 2 == 0 else [4, 2, 0]
         data = payload(len(layers), len(ids), layout.block_bytes, seed)
         before = [t.clone() for t in layout.block_tensors()]
-        for i, buf in enumerate(io.write(layers, ids)):
-            buf[:] = data[i].numpy().tobytes()
+        cut = edge_bytes < len(ids) * layout.block_bytes
+        assert fill(io.write(layers, ids), data) == len(layers) + cut, name
         for i, layer in enumerate(layers):  # the blocks hold what was written, nothing else
             got = layout.block_tensors()[layer]
             assert torch.equal(got[ids].cpu(), data[i]), (name, layer)
             others = [b for b in range(NUM_BLOCKS) if b not in set(ids)]
             assert torch.equal(got[others], before[layer][others]), (name, layer)
-        # reading hands out each layer once its own copy is done, not the other half's
+        # reading hands out each piece once its own copy is done, not the other half's
         sent = [bytes(buf) for buf in io.read(layers, ids)]
-        assert sent == [data[i].numpy().tobytes() for i in range(len(layers))], name
+        assert len(sent) == len(layers) + cut, name
+        assert b"".join(sent) == data.numpy().tobytes(), name
+
+
+def test_every_layer_round_trips_through_the_two_halves() -> None:
+    io, layout = make_io()
+    round_trip(io, layout, edge_bytes=1 << 30)
+
+
+def test_the_edge_layer_cut_in_two_round_trips_as_well() -> None:
+    io, layout = make_io()
+    round_trip(io, layout, edge_bytes=3 * 8192)  # three blocks: a piece of a run, of the index
 
 
 def test_a_write_given_up_midway_leaves_the_next_one_exact() -> None:
@@ -74,8 +97,7 @@ def test_a_write_given_up_midway_leaves_the_next_one_exact() -> None:
         buf[:] = first[i].numpy().tobytes()
     writes.close()
     second = payload(LAYERS, len(ids), layout.block_bytes, 11)
-    for i, buf in enumerate(io.write(list(range(LAYERS)), ids)):
-        buf[:] = second[i].numpy().tobytes()
+    fill(io.write(list(range(LAYERS)), ids), second)
     for layer in range(LAYERS):
         assert torch.equal(layout.block_tensors()[layer][ids].cpu(), second[layer]), layer
 

