@@ -31,6 +31,7 @@ from vllm_layerkv.transport.tcp import TcpTransport
 from vllm_layerkv.wire import framing
 from vllm_layerkv.wire.auth import ChannelAuth, connect_handshake
 from vllm_layerkv.wire.protocol import BlockData, Hello, HelloAck
+from vllm_layerkv.worker.sender import FinishTransfer
 
 # ------------------------------------------------------------------------------ refusals
 
@@ -219,3 +220,40 @@ def test_waiting_for_data_works_on_descriptors_above_1024() -> None:
         high.close()
         a.close()
         b.close()
+
+
+# ------------------------------------------------------------------------------ lost connections
+
+
+def _sent(p, tid: str, frames: int) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    while p.out(tid).frames < frames:
+        assert time.monotonic() < deadline, f"{tid}: {p.out(tid).frames} frames sent"
+        time.sleep(0.01)
+
+
+def test_word_of_a_lost_connection_fails_only_the_transfers_it_carried(d_side, p_side) -> None:
+    """A connection's loss can be reported twice (its ack reader reads end of file while the
+    sender's write fails), and the later report can come once the sender has opened a new
+    connection and started the next transfer on it: only the transfers the lost connection
+    carried fail, the next one lands."""
+    d, p = d_side(), p_side("tcp")
+    d.table.expect(RecvTask("r1", "t1", [10, 11]))
+    push(p, [task("t1", d, [0, 1], [10, 11], req_id="r1")], finish=False)
+    _sent(p, "t1", 2)
+    lost = p.sender._channel(d.endpoint)
+    report_loss = lost._on_lost
+    lost._fail("send to decode failed: connection reset by peer")
+    assert p.wait_state("t1", ["failed"]).reason.endswith("connection reset by peer")
+    assert d.drain_until(lambda f, x: bool(f or x)) == (set(), {"r1"})
+
+    t2 = task("t2", d, [2, 3], [20, 21], req_id="r2")
+    d.table.expect(RecvTask("r2", "t2", [20, 21]))
+    push(p, [t2], finish=False)
+    _sent(p, "t2", 2)
+    assert p.sender._channels[d.endpoint] is not lost  # a new connection carries t2
+    report_loss("connection to decode lost: connection closed by peer")  # the late report
+    assert p.out("t2").state == "open", p.out("t2").reason
+    p.sender.put(FinishTransfer(t2, t_compute_end=time.monotonic()))
+    assert p.wait_state("t2", ["acked", "failed"]).state == "acked"
+    assert d.drain_until(lambda f, x: "r2" in f)[0] == {"r2"}

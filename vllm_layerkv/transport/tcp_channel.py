@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import queue
 import socket
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -76,6 +77,7 @@ class TcpSendChannel(SendChannel):
         self._on_ack = on_ack
         self._on_lost = on_lost
         self._alive = True
+        self._failing = threading.Lock()
         self._writer = path.writer
         self._io_timeout = io_timeout
         self._required = path.required
@@ -351,12 +353,14 @@ class TcpSendChannel(SendChannel):
         """The channel is dead: its transfers fail here, and D hears of it at once (its end of
         the connection and of the streams reads end of file) instead of waiting io_timeout_s
         in the middle of a frame, e.g. for the rest of a payload a failed stream cut short."""
-        if self._alive:
+        with self._failing:  # the sender's write and the ack reader can both see the loss
+            if not self._alive:
+                return
             self._alive = False
-            self._streams.shut()
-            try:
-                self._sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            self._grants.put(None)  # wake a sender waiting for a grant
-            self._on_lost(reason)
+        self._streams.shut()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._grants.put(None)  # wake a sender waiting for a grant
+        self._on_lost(reason)

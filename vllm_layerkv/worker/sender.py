@@ -27,10 +27,16 @@ nothing else to do it lands the oldest.
 
 A transfer with several decode ranks is acknowledged when every one of them acknowledged it,
 and fails (on all of them) when one fails.
+
+A transfer stays on the connection its first message went on (``Outgoing.links``), as D binds
+it there: when that connection is lost, the transfer fails rather than go on over a new one, and
+word of the loss fails only the transfers the lost connection carried. A loss can be reported
+after the sender has opened the next connection and started the next transfer on it.
 """
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import time
@@ -118,6 +124,8 @@ class Outgoing:
     """Transfer operations (frames, direct writes) per endpoint: D checks the count."""
     nbytes_to: dict[str, int] = field(default_factory=dict)
     acked: set[str] = field(default_factory=set)
+    links: dict[str, int] = field(default_factory=dict)
+    """Per endpoint, the number of the connection (``Sender._channel``) its messages go on."""
     t_first: float = 0.0
     t_done_sent: float = 0.0
     in_use: bool = False
@@ -247,6 +255,9 @@ class Sender:
         """Transfers a landing write failed, whose abort waits for their other posted writes."""
         self._queue: queue.SimpleQueue[WorkItem | None] = queue.SimpleQueue()
         self._channels: dict[str, SendChannel] = {}
+        self._links: dict[str, int] = {}
+        """Per endpoint, the number of its current connection (numbers are never reused)."""
+        self._link_numbers = itertools.count(1)
         if self._transport.host_bounce:
             self._prepare_bounce()
         self._thread = start_thread(self._run, "layerkv-sender")
@@ -353,7 +364,7 @@ class Sender:
                 continue
             try:
                 for endpoint, route in out.routes:
-                    channel = self._channel(endpoint)
+                    channel = self._channel_for(out, endpoint)
                     # one frame per KV cache group: each group has its own block table
                     for group, layers in by_group:
                         src, dst = task.src_blocks[group], task.dst_blocks[group]
@@ -556,7 +567,7 @@ class Sender:
             return
         try:
             for endpoint in out.endpoints:
-                self._channel(endpoint).send_done(out.transfer_id, self._tp_rank,
+                self._channel_for(out, endpoint).send_done(out.transfer_id, self._tp_rank,
                                                   out.frames_to.get(endpoint, 0),
                                                   out.nbytes_to.get(endpoint, 0))
             now = time.monotonic()
@@ -618,15 +629,26 @@ class Sender:
             return ch
         if ch is not None:
             ch.close()
+        link = next(self._link_numbers)
         ch = self._transport.open_channel(
             endpoint, self._hello, self._blocks,
             on_ack=lambda ack, ep=endpoint: self._on_ack(ep, ack),
-            on_lost=lambda reason, ep=endpoint: self._on_lost(ep, reason),
+            on_lost=lambda reason, ep=endpoint, n=link: self._on_lost(ep, n, reason),
             timeout=self._connect_timeout,
             io_timeout=self._io_timeout,
         )
         self._channels[endpoint] = ch
+        self._links[endpoint] = link
         return ch
+
+    def _channel_for(self, out: Outgoing, endpoint: str) -> SendChannel:
+        """The connection to ``endpoint`` for ``out``'s next message: the one its first went
+        on. Raises TransportError when that one was lost (D, which bound the transfer to it,
+        has failed the transfer or will)."""
+        channel = self._channel(endpoint)
+        if out.links.setdefault(endpoint, self._links[endpoint]) != self._links[endpoint]:
+            raise TransportError(f"the connection to decode {endpoint} that carried it was lost")
+        return channel
 
     # ------------------------------------------------------------------ ack-reader threads
     def _on_ack(self, endpoint: str, ack: TransferAck) -> None:
@@ -643,10 +665,11 @@ class Sender:
         else:
             self._set_state(out, "failed", f"decode dropped the transfer: {ack.reason}")
 
-    def _on_lost(self, endpoint: str, reason: str) -> None:
+    def _on_lost(self, endpoint: str, link: int, reason: str) -> None:
+        """Connection ``link`` to ``endpoint`` was lost: the transfers it carried fail."""
         with self.state.lock:
             affected = [o for o in self.state.transfers.values()
-                        if endpoint in o.endpoints and not o.terminal]
+                        if o.links.get(endpoint) == link and not o.terminal]
         for out in affected:
             self._set_state(out, "failed", reason)
 
