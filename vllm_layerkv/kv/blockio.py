@@ -44,9 +44,10 @@ EDGE_BYTES = 8 << 20
 the first piece read (P copies it to the host before the frame's first byte can go) and the
 last piece written (D copies it to the device before it reads the next message). A layer of a
 long prompt is far larger: 33.5 MB at 8,192 tokens of Llama-3.1-8B, about 0.7 ms of copying.
-On a link slower than the prefill the sender sends one-layer frames back to back, and copying
-each whole first layer before sending it kept a link paced to 25 Gb/s idle 6 % of the time.
-8 MiB is one 2 MiB chunk for each of four TCP streams (``tcp_streams.py``)."""
+On a link slower than the prefill the sender sends one-layer frames back to back: on a link
+paced to 25 Gb/s (one H200) each took 11.42-11.45 ms for 10.74 ms of bytes with the whole
+layer copied first, 11.13 ms with the edge cut. 8 MiB is one 2 MiB chunk for each of four TCP
+streams (``tcp_streams.py``)."""
 
 
 def frame_pieces(num_layers: int, rows: int, row_bytes: int, edge: str,

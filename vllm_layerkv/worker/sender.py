@@ -568,8 +568,8 @@ class Sender:
         try:
             for endpoint in out.endpoints:
                 self._channel_for(out, endpoint).send_done(out.transfer_id, self._tp_rank,
-                                                  out.frames_to.get(endpoint, 0),
-                                                  out.nbytes_to.get(endpoint, 0))
+                                                           out.frames_to.get(endpoint, 0),
+                                                           out.nbytes_to.get(endpoint, 0))
             now = time.monotonic()
             exposed = max(0.0, now - item.t_compute_end) if item.t_compute_end else None
             self._stats.record_sent(exposed)
