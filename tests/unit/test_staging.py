@@ -131,7 +131,7 @@ def test_receive_ring_grants_each_slot_once_and_holds_back_until_one_is_freed() 
 
 
 def test_a_full_ring_refuses_the_write_and_fails_the_transfer_on_decode() -> None:
-    """TcpTransport on D: a head-slice write that finds no free slot in time is refused and
+    """D's TcpReceiver: a head-slice write that finds no free slot in time is refused and
     its transfer aborted with the reason (P then fails it), instead of overwriting a slot;
     while it waits the connection's thread is not blocked (it returns at once), and once a
     slot is free the next waiting write gets it. A write that cannot fit a slot at all is
@@ -140,7 +140,7 @@ def test_a_full_ring_refuses_the_write_and_fails_the_transfer_on_decode() -> Non
     from collections import deque
 
     from vllm_layerkv.transport.base import Source
-    from vllm_layerkv.transport.tcp import TcpTransport
+    from vllm_layerkv.transport.tcp_receiver import TcpReceiver
     from vllm_layerkv.wire import framing
     from vllm_layerkv.wire.protocol import DirectWrite, WriteGrant
 
@@ -162,28 +162,28 @@ def test_a_full_ring_refuses_the_write_and_fails_the_transfer_on_decode() -> Non
 
     ring = RecvRing(1, 1024, "cpu")
     held = ring.acquire(10, timeout=0.1)
-    transport = TcpTransport()
-    transport._ring_wait_s = 0.1
+    receiver = TcpReceiver()
+    receiver._ring_wait_s = 0.1
     sink = Sink()
     source = Source("p", 0, 1, 1)
     d_end, p_end = socket.socketpair()
     granted: dict = {}
     waiting = deque([(write(1), ring, time.monotonic() + 0.1)])
     t0 = time.monotonic()
-    transport._grant_waiting(d_end, waiting, granted, sink, source)  # type: ignore[arg-type]
+    receiver._grant_waiting(d_end, waiting, granted, sink, source)  # type: ignore[arg-type]
     assert time.monotonic() - t0 < 0.05 and len(waiting) == 1 and not sink.ended
     time.sleep(0.15)
-    transport._grant_waiting(d_end, waiting, granted, sink, source)  # type: ignore[arg-type]
+    receiver._grant_waiting(d_end, waiting, granted, sink, source)  # type: ignore[arg-type]
     assert not waiting and not granted
     assert framing.recv_message(p_end) == WriteGrant(seq=1, ok=False, slot=-1)
     assert sink.ended == ["t1"]
     assert sink.aborted and "head-slice write refused: no receive-ring slot" in sink.aborted[0][1]
     ring.release(held)
     waiting.append((write(2), ring, time.monotonic() + 0.1))
-    transport._grant_waiting(d_end, waiting, granted, sink, source)  # type: ignore[arg-type]
+    receiver._grant_waiting(d_end, waiting, granted, sink, source)  # type: ignore[arg-type]
     assert framing.recv_message(p_end) == WriteGrant(seq=2, ok=True, slot=held)
     assert granted[2][1:] == (held, ring)
-    assert not transport._fits_ring(write(3, nbytes=2048), ring, sink, source)  # type: ignore
+    assert not receiver._fits_ring(write(3, nbytes=2048), ring, sink, source)  # type: ignore
     assert "no larger than decode's" in sink.aborted[-1][1] and sink.ended[-1] == "t3"
     d_end.close()
     p_end.close()

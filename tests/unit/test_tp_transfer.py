@@ -235,7 +235,7 @@ def test_slices_land_in_every_decode_rank(cluster, transport, heads, p_tp, d_tp)
     if transport != "tcp":  # the engine wrote the slices (equal TP: whole blocks, no ring)
         sliced = p_tp != d_tp
         assert (c.ring_writers() > 0) == sliced
-        assert all(d.transport._ring is not None for d in c.d) == sliced
+        assert all(d.transport.receiver._ring is not None for d in c.d) == sliced
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -278,7 +278,7 @@ def test_auto_sends_host_memory_slices_as_bytes(cluster) -> None:
     c.wait_done("t1")
     c.check(list(zip(src, dst)))
     assert c.ring_writers() == 0
-    assert all(d.transport._ring is None for d in c.d)
+    assert all(d.transport.receiver._ring is None for d in c.d)
 
 
 @pytest.mark.parametrize("transport", RING_ENGINES)
@@ -291,8 +291,8 @@ def test_a_full_receive_ring_delays_grants_and_loses_nothing(cluster, transport)
     # the ring is made when the first sender connects; make it now and hold its one slot for
     # a moment, so that the first grant has to wait for it whatever the threads' timing
     d_transport = c.d[0].transport
-    ring = d_transport._ring_for(SimpleNamespace(tensors=[torch.empty(0)]),
-                                 d_transport._planes[0], tp_differs=True)
+    ring = d_transport.receiver._ring_for(SimpleNamespace(tensors=[torch.empty(0)]),
+                                          d_transport._planes[0], tp_differs=True)
     held = ring.acquire(1, 1.0)
     threading.Timer(0.3, ring.release, [held]).start()
     src, dst = list(range(BLOCKS)), list(range(BLOCKS))[::-1]
@@ -301,7 +301,7 @@ def test_a_full_receive_ring_delays_grants_and_loses_nothing(cluster, transport)
     c.wait_done("t")
     c.check(list(zip(src, dst)))
     assert c.ops() == 2 * len(GROUPS) * 8
-    assert c.d[0].transport._ring is ring and ring.slots == 1 and ring.waits > 0
+    assert c.d[0].transport.receiver._ring is ring and ring.slots == 1 and ring.waits > 0
 
 
 @pytest.mark.parametrize("transport", RING_ENGINES)

@@ -607,7 +607,7 @@ def test_host_bounce_registers_everything_at_start_up(d_side, p_side, transport,
     monkeypatch.setattr(cls, "register", spy)
     d, p = d_side(), p_side()
     at_start = set(registered)
-    ring = d.transport._host_ring
+    ring = d.transport.receiver._host_ring
     assert ring is not None and ring.tensor.data_ptr() in at_start
     pool = p.sender._staging
     assert pool is not None and {b.data_ptr() for b in pool.buffers} <= at_start
@@ -794,7 +794,7 @@ def test_more_writes_in_flight_than_ring_slots_do_not_deadlock(d_side, p_side, t
     assert out.state == "acked", out.reason
     assert time.monotonic() - t0 < 2.5  # no write waited out D's ring_wait (io_timeout / 2)
     assert inflight.posted == inflight.finished == 16 and inflight.most == 1
-    assert d.transport._host_ring.waits > 0
+    assert d.transport.receiver._host_ring.waits > 0
     assert d.drain_until(lambda f, x: bool(f or x)) == ({"r"}, set())
     d_views, p_views = d.layout.host_block_views(), p.layout.host_block_views()
     for layer in range(NUM_LAYERS):
@@ -820,7 +820,7 @@ def test_failed_post_with_writes_in_flight_fails_the_transfer_and_frees_everythi
     assert d.drain_until(lambda f, x: bool(f or x)) == (set(), {"r"})
     assert inflight.posted == 3 and inflight.finished == 2 and inflight.now == 0
     assert p.sender._staging is not None and p.sender._staging.free == 2
-    ring = d.transport._host_ring
+    ring = d.transport.receiver._host_ring
     wait_until(lambda: ring is not None and sorted(ring._free) == list(range(ring.slots)))
     d.table.expect(RecvTask("r2", "t2", [3]))
     push(p, [task("t2", d, [3], [3], req_id="r2")])
@@ -863,7 +863,7 @@ def test_a_write_that_fails_to_land_fails_only_its_transfer(d_side, p_side, tran
     assert d.drain_until(lambda f, x: bool(f and x)) == ({"ra"}, {"rb"})
     assert inflight.most == 3 and inflight.now == 0
     assert p.sender._staging is not None and p.sender._staging.free == 3
-    ring = d.transport._host_ring
+    ring = d.transport.receiver._host_ring
     wait_until(lambda: ring is not None and sorted(ring._free) == list(range(ring.slots)))
     d_views, p_views = d.layout.host_block_views(), p.layout.host_block_views()
     for layer in range(NUM_LAYERS):

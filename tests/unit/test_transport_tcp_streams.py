@@ -16,7 +16,7 @@ import pytest
 from kv_sides import assert_copied, assert_sentinel, compat, push, task
 from vllm_layerkv.config import ConfigError, LayerKVConfig
 from vllm_layerkv.tasks import RecvTask
-from vllm_layerkv.transport import tcp, tcp_streams
+from vllm_layerkv.transport import tcp_receiver, tcp_streams
 from vllm_layerkv.transport.tcp_streams import deal
 from vllm_layerkv.wire import framing
 from vllm_layerkv.wire.auth import SECRET_ENV, ChannelAuth, connect_handshake
@@ -44,14 +44,14 @@ def pieces_by_socket(monkeypatch: pytest.MonkeyPatch) -> Counter[int]:
     """Bytes D received into its KV, per socket (by file descriptor)."""
     got: Counter[int] = Counter()
     lock = threading.Lock()
-    receive = tcp._receive_piece
+    receive = tcp_receiver._receive_piece
 
     def counting(sock: socket.socket, piece: tcp_streams.Piece) -> None:
         receive(sock, piece)
         with lock:
             got[sock.fileno()] += piece if isinstance(piece, int) else len(piece)
 
-    monkeypatch.setattr(tcp, "_receive_piece", counting)
+    monkeypatch.setattr(tcp_receiver, "_receive_piece", counting)
     return got
 
 
@@ -175,7 +175,7 @@ def test_a_stream_joins_only_with_its_connection_s_token_and_a_free_index(d_side
 
 def test_a_stream_lost_inside_a_frame_fails_the_transfer_on_both_ends(
         d_side, p_side, monkeypatch: pytest.MonkeyPatch) -> None:
-    receive = tcp._receive_piece
+    receive = tcp_receiver._receive_piece
     armed = threading.Event()
     seen: list[int] = []
     lock = threading.Lock()
@@ -192,7 +192,7 @@ def test_a_stream_lost_inside_a_frame_fails_the_transfer_on_both_ends(
             raise ConnectionResetError("connection reset by peer")
         receive(sock, piece)
 
-    monkeypatch.setattr(tcp, "_receive_piece", lose_a_stream)  # D's connection takes it
+    monkeypatch.setattr(tcp_receiver, "_receive_piece", lose_a_stream)  # D's connection takes it
     p, d = _transfer(d_side, p_side)  # the connection and its four streams are up
     assert p.sender._channel(d.endpoint).streams == 4
     armed.set()

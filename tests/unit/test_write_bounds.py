@@ -146,7 +146,7 @@ def ring_attack(d: DSide, raw: OutsideSender, plane: str, fields: dict) -> None:
     grant = raw.grant()
     if not grant.ok:
         return
-    ring = d.transport._host_ring
+    ring = d.transport.receiver._host_ring
     ring.tensor[grant.slot].fill_(GARBAGE)
     raw.send(DirectWritten(transfer_id=BAD[1], seq=1, nbytes=fields["nbytes"]))
     deadline = time.monotonic() + TIMEOUT

@@ -22,7 +22,8 @@ from vllm_layerkv.transport.base import (
     TransportError,
 )
 from vllm_layerkv.transport.direct import DirectPlane, DirectUnavailable
-from vllm_layerkv.transport.tcp import RingShape, TcpTransport
+from vllm_layerkv.transport.tcp import TcpTransport
+from vllm_layerkv.transport.tcp_receiver import RingShape
 from vllm_layerkv.wire.admission import ListenerLimits
 from vllm_layerkv.wire.auth import ChannelAuth
 from vllm_layerkv.wire.planes import PLANES, PLANES_BY_NAME, TRANSPORTS, PlaneEntry

@@ -3,8 +3,8 @@ or, through a direct-write plane, asks D for each write and writes into D's memo
 
 Per transfer and layer group the sender thread calls ``write_blocks`` (or ``start_slices`` /
 ``finish_slices`` for staged head slices), then ``send_done``. With a plane attached, every write
-is preceded by a ``DirectWrite`` request that D answers with a ``WriteGrant`` (``tcp.py``,
-D side), and followed by ``DirectWritten``; when D reads (``cuda_ipc_reads``) a ``DirectRead``
+is preceded by a ``DirectWrite`` request that D answers with a ``WriteGrant`` (``tcp_receiver.py``),
+and followed by ``DirectWritten``; when D reads (``cuda_ipc_reads``) a ``DirectRead``
 takes the place of all three, and D's answer comes once it has copied the blocks. Ring writes
 (staged slices) may be several in flight, each holding one of D's ring slots until D scattered
 it. Acks and grants arrive on this connection's ack-reader thread, the only other thread here;
