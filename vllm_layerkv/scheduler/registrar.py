@@ -151,15 +151,7 @@ class RegistrationServer:
                 logger.warning("transfer %s: first token not sent: %s", msg.transfer_id, e)
 
     def _accept_loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, addr = self._server.accept()
-            except OSError:
-                return
-            slot = self._gate.admit(conn, addr)
-            if slot is None:
-                continue
-            framing.tune(conn)
+        for conn, addr, slot in self._gate.accepted(self._server, self._stop):
             start_thread(self._serve, f"layerkv-registrar-{addr[1]}", conn, addr, slot)
 
     def _serve(self, conn: socket.socket, addr: tuple, slot: Slot) -> None:

@@ -168,15 +168,7 @@ class TcpReceiver:
 
     def _accept_loop(self, sink: ReceiveSink, blocks: BlockIO, io_timeout: float) -> None:
         assert self._server is not None and self._gate is not None
-        while not self._stop.is_set():
-            try:
-                conn, addr = self._server.accept()
-            except OSError:
-                return
-            slot = self._gate.admit(conn, addr)
-            if slot is None:
-                continue
-            framing.tune(conn)
+        for conn, addr, slot in self._gate.accepted(self._server, self._stop):
             with self._lock:
                 self._conns.add(conn)
             start_thread(self._serve, f"layerkv-recv-{addr[1]}", conn, addr, slot, sink, blocks,

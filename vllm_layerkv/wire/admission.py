@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import socket
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from vllm_layerkv.common.log import RateLimitedWarning, init_logger
+from vllm_layerkv.wire import framing
 from vllm_layerkv.wire.auth import AuthError, ChannelAuth, accept_handshake, warn_if_open
 from vllm_layerkv.wire.protocol import LIMITS, MessageLimits
 
@@ -94,6 +96,27 @@ class Gate:
         """Connections served now that completed the handshake."""
         with self._lock:
             return sum(1 for s in self._slots if s.authenticated and not s.evicted)
+
+    def accepted(self, server: socket.socket, stop: threading.Event
+                 ) -> Iterator[tuple[socket.socket, Any, Slot]]:
+        """The connections ``server`` accepts and this gate admits, tuned for LayerKV's
+        messages, until ``stop`` is set or the server socket is closed (a listener's accept
+        loop: each one then gets a thread of its own). Closing a listening socket does not wake
+        a thread blocked in ``accept``, so a connection accepted after ``stop`` is closed
+        unserved."""
+        while True:
+            try:
+                conn, addr = server.accept()
+            except OSError:
+                return
+            if stop.is_set():
+                conn.close()
+                return
+            slot = self.admit(conn, addr)
+            if slot is None:
+                continue
+            framing.tune(conn)
+            yield conn, addr, slot
 
     def admit(self, conn: socket.socket, addr: Any) -> Slot | None:
         """A slot for a connection just accepted, or None (the connection is then closed)."""
