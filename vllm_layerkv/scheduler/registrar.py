@@ -42,7 +42,8 @@ from vllm_layerkv.common.threads import start_thread
 from vllm_layerkv.scheduler.bootstrap import BootstrapError, resolve
 from vllm_layerkv.scheduler.request_params import BootstrapAddress, PrefillAddress
 from vllm_layerkv.wire import framing
-from vllm_layerkv.wire.admission import Gate, ListenerLimits, Slot, keepalive
+from vllm_layerkv.wire.admission import (Gate, ListenerLimits, Slot, close_listener,
+                                          keepalive)
 from vllm_layerkv.wire.auth import AuthError, ChannelAuth, connect_handshake
 from vllm_layerkv.wire.protocol import (
     Cancel,
@@ -115,7 +116,7 @@ class RegistrationServer:
     def close(self) -> None:
         self._stop.set()
         self._pushes.put(None)
-        self._server.close()
+        close_listener(self._server)
 
     def push(self, msg: FirstToken) -> None:
         """Send ``msg`` to the D that registered its transfer, once. The connection is taken

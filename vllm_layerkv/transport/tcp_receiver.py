@@ -46,7 +46,8 @@ from vllm_layerkv.transport.direct import (
 from vllm_layerkv.transport.hooks import ConnectionHook
 from vllm_layerkv.transport.tcp_streams import Piece, Streams, StreamsFailed
 from vllm_layerkv.wire import framing
-from vllm_layerkv.wire.admission import Gate, ListenerLimits, Slot, keepalive
+from vllm_layerkv.wire.admission import (Gate, ListenerLimits, Slot, close_listener,
+                                          keepalive)
 from vllm_layerkv.wire.auth import ChannelAuth
 from vllm_layerkv.wire.protocol import (
     BlockData,
@@ -148,7 +149,7 @@ class TcpReceiver:
         """Accept no more connections."""
         self._stop.set()
         if self._server is not None:
-            self._server.close()
+            close_listener(self._server)
 
     def close_connections(self) -> None:
         """End every connection being served (their threads see the sockets close)."""

@@ -100,10 +100,9 @@ class Gate:
     def accepted(self, server: socket.socket, stop: threading.Event
                  ) -> Iterator[tuple[socket.socket, Any, Slot]]:
         """The connections ``server`` accepts and this gate admits, tuned for LayerKV's
-        messages, until ``stop`` is set or the server socket is closed (a listener's accept
-        loop: each one then gets a thread of its own). Closing a listening socket does not wake
-        a thread blocked in ``accept``, so a connection accepted after ``stop`` is closed
-        unserved."""
+        messages, until the server socket is shut (``close_listener``) or a connection
+        arrives after ``stop`` was set (it is closed unserved). A listener's accept loop: each
+        connection then gets a thread of its own."""
         while True:
             try:
                 conn, addr = server.accept()
@@ -166,6 +165,14 @@ class Gate:
         self._refusals.warning("LayerKV %s refused a connection: %s", self.name, why)
         _shut(conn)
         conn.close()
+
+
+def close_listener(server: socket.socket) -> None:
+    """Close a listening socket so that a thread blocked in its ``accept`` returns: on Linux
+    ``close`` alone leaves that thread waiting for the next connection; ``shutdown`` wakes
+    it."""
+    _shut(server)
+    server.close()
 
 
 def keepalive(sock: socket.socket) -> None:
