@@ -136,3 +136,18 @@ def test_a_pushed_token_survives_the_transfer_being_forgotten_right_after(pd) ->
     server.push(FirstToken(transfer_id="t1", token_id=42))
     server.forget("t1")
     assert client.replies.get(timeout=5) == FirstToken(transfer_id="t1", token_id=42)
+
+
+def test_close_shuts_the_connections_and_returns_once_the_threads_have_ended(pd) -> None:
+    """The server's connection threads poll their sockets once a second: a close that only set
+    the stop left them running up to a second, into the process's exit (threads.py)."""
+    server, got, client = pd
+    client.send(server.endpoint, register("t1"))
+    assert client.replies.get(timeout=5) == RegisterAck(transfer_id="t1", tp_size=1)
+    threads = list(server._threads._threads)
+    assert len(threads) == 3  # accept, push, one connection
+    t0 = time.monotonic()
+    server.close()
+    assert time.monotonic() - t0 < 0.5
+    assert [t.name for t in threads if t.is_alive()] == []
+    assert server.connections == 0

@@ -1,7 +1,7 @@
 """threads.py: LayerKV's threads carry their names into the kernel (``lkv-...``), where
 ``top -H`` and benchmarks/cpu_usage.py read them; Python keeps the full name. And the prefill
 worker's group events are blocking, so the sender sleeps instead of spinning while a layer
-group computes."""
+group computes. A component's stop waits for the threads it ended (``ThreadGroup``)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from vllm_layerkv.common.threads import kernel_name, set_switch_interval, start_thread
+from vllm_layerkv.common.threads import (
+    ThreadGroup,
+    kernel_name,
+    set_switch_interval,
+    start_thread,
+)
 from vllm_layerkv.scheduler.registrar import RegistrationServer
 from vllm_layerkv.worker import prefill as prefill_worker
 
@@ -98,3 +103,45 @@ def test_the_switch_interval_is_set_for_the_process_and_zero_leaves_it() -> None
         assert seen == [pytest.approx(0.5e-3)]  # the whole process, every thread
     finally:
         sys.setswitchinterval(before)
+
+
+def test_a_group_waits_for_its_threads_and_names_those_still_running() -> None:
+    group = ThreadGroup()
+    quick, slow = threading.Event(), threading.Event()
+    group.start(quick.wait, "layerkv-quick")
+    group.start(slow.wait, "layerkv-slow")
+    assert len(group) == 2
+    quick.set()
+    t0 = time.monotonic()
+    assert group.join(0.3) == ["layerkv-slow"]
+    assert 0.25 < time.monotonic() - t0 < 5  # the timeout is for the whole group
+    assert len(group) == 1
+    slow.set()
+    assert group.join(5) == []
+    assert len(group) == 0
+
+
+def test_a_group_member_that_stops_the_group_does_not_wait_for_itself() -> None:
+    group = ThreadGroup()
+    seen: list[list[str]] = []
+    group.start(lambda: seen.append(group.join(5)), "layerkv-self")
+    assert group.join(5) == []
+    assert seen == [[]]
+
+
+def test_join_waits_for_the_thread_to_end_not_only_for_its_target_to_return() -> None:
+    """A thread still runs after its target returns (``threading`` cleans up); a stop that
+    returned before that let a process exit with the thread alive, which aborted it."""
+    group = ThreadGroup()
+    for i in range(50):
+        group.start(lambda: None, f"layerkv-brief-{i}")
+    assert group.join(5) == []
+    assert not [t for t in threading.enumerate() if t.name.startswith("layerkv-brief-")]
+
+
+def test_ended_threads_are_dropped_when_the_next_starts() -> None:
+    group = ThreadGroup()
+    for i in range(20):
+        group.start(lambda: None, f"layerkv-ended-{i}").join(5)
+    group.start(lambda: None, "layerkv-last").join(5)
+    assert len(group._threads) == 1

@@ -201,6 +201,29 @@ def test_close_waits_for_a_write_in_progress(d_side) -> None:
     sock.close()
 
 
+def _new_threads(before: set[threading.Thread], *prefixes: str) -> list[threading.Thread]:
+    return [t for t in threading.enumerate()
+            if t not in before and t.name.startswith(prefixes)]
+
+
+def test_stops_return_once_the_threads_they_ended_have_ended(d_side, p_side) -> None:
+    """A process may exit right after a stop. A thread still unwinding then meets the
+    interpreter's shutdown, where Python ends it as it takes the GIL: inside native code that
+    aborted the process ("terminate called without an active exception"). So closing P's
+    channel (its ack reader, its TCP streams) and stopping D's receiver (its accept thread, a
+    thread per connection and stream) return only once those threads have ended."""
+    before = set(threading.enumerate())
+    d, p = d_side(), p_side("tcp")
+    d.table.expect(RecvTask("req-t", "t", [1]))
+    push(p, [task("t", d, [1], [1])])
+    assert p.wait_state("t", ["acked", "failed"]).state == "acked"
+    p_threads = _new_threads(before, "layerkv-acks-", "layerkv-stream")
+    d_threads = _new_threads(before, "layerkv-accept", "layerkv-recv-")
+    assert len(p_threads) == 4 and len(d_threads) == 5  # tcp_streams=4: three more streams
+    p.sender.shutdown()
+    assert [t.name for t in p_threads if t.is_alive()] == []
+    d.transport.shutdown()
+    assert [t.name for t in d_threads if t.is_alive()] == []
 
 def test_waiting_for_data_works_on_descriptors_above_1024() -> None:
     """vLLM processes hold many descriptors; select() fails on any >= 1024 (seen in CI-like

@@ -8,7 +8,8 @@ whether it was LayerKV's sender or vLLM's own (benchmarks/results/2026-11-26-x2-
 each LayerKV thread also names itself in the kernel, as ``lkv-...`` cut to the 15 bytes the
 kernel keeps.
 
-The process's GIL switch interval is set here too (``set_switch_interval``): how long a LayerKV
+Components that stop their threads wait for them through a ``ThreadGroup``. The process's
+GIL switch interval is set here too (``set_switch_interval``): how long a LayerKV
 thread that wants the GIL back waits while another thread runs Python."""
 
 from __future__ import annotations
@@ -16,10 +17,15 @@ from __future__ import annotations
 import ctypes
 import sys
 import threading
+import time
 from typing import Any, Callable
 
 _PR_SET_NAME = 15  # linux/prctl.h
 _KERNEL_NAME_BYTES = 15  # TASK_COMM_LEN less its NUL
+
+STOP_WAIT_S = 5.0
+"""How long a stop waits for the threads it ended (they return within milliseconds once their
+sockets close); one still inside a long copy after that is left to finish."""
 
 _libc: Any = None
 if sys.platform.startswith("linux"):
@@ -58,6 +64,46 @@ def start_thread(target: Callable[..., Any], name: str, *args: Any) -> threading
     thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
     return thread
+
+
+class ThreadGroup:
+    """The threads one component starts, so that stopping it can wait for them to end.
+
+    A stop that only wakes its threads (closes their sockets) returns while they are still
+    unwinding, and a process that exits then has daemon threads running into the interpreter's
+    shutdown. Python ends such a thread where it next takes the GIL, and one that does so
+    inside native code aborts the whole process ("terminate called without an active
+    exception"): a script that stopped a TCP receiver and exited at once died that way about
+    every other run. ``join`` closes that window."""
+
+    def __init__(self) -> None:
+        self._threads: set[threading.Thread] = set()
+        self._lock = threading.Lock()
+
+    def start(self, target: Callable[..., Any], name: str, *args: Any) -> threading.Thread:
+        """``start_thread(target, name, *args)``, remembered until it has ended. (Not until
+        ``target`` returns: the thread still runs Python after that, and ``join`` must wait for
+        that too. Ended threads are dropped here.)"""
+        thread = start_thread(target, name, *args)
+        with self._lock:
+            self._threads = {t for t in self._threads if t.is_alive()}
+            self._threads.add(thread)
+        return thread
+
+    def join(self, timeout: float = STOP_WAIT_S) -> list[str]:
+        """Wait up to ``timeout`` seconds in all for the group's threads (the calling thread
+        excepted) to return; the names of those still running."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            threads = [t for t in self._threads if t is not threading.current_thread()]
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return [t.name for t in threads if t.is_alive()]
+
+    def __len__(self) -> int:
+        """Threads of the group still running."""
+        with self._lock:
+            return sum(t.is_alive() for t in self._threads)
 
 
 def set_switch_interval(ms: float) -> float | None:

@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from vllm_layerkv.common.log import init_logger
-from vllm_layerkv.common.threads import start_thread
+from vllm_layerkv.common.threads import ThreadGroup, start_thread
 from vllm_layerkv.scheduler.bootstrap import BootstrapError, resolve
 from vllm_layerkv.scheduler.request_params import BootstrapAddress, PrefillAddress
 from vllm_layerkv.wire import framing
@@ -100,8 +100,10 @@ class RegistrationServer:
         transfer (``forget``)."""
         self._lock = threading.Lock()
         self._pushes: queue.SimpleQueue[tuple[_Link, FirstToken] | None] = queue.SimpleQueue()
-        start_thread(self._accept_loop, "layerkv-registrar")
-        start_thread(self._push_loop, "layerkv-registrar-push")
+        self._threads = ThreadGroup()
+        """The accept thread, the push thread and one thread per connection."""
+        self._threads.start(self._accept_loop, "layerkv-registrar")
+        self._threads.start(self._push_loop, "layerkv-registrar-push")
 
     @property
     def connections(self) -> int:
@@ -114,9 +116,15 @@ class RegistrationServer:
         return self._gate.authenticated
 
     def close(self) -> None:
+        """Stop serving: no new connection, the open ones shut, and their threads ended."""
         self._stop.set()
         self._pushes.put(None)
         close_listener(self._server)
+        self._gate.shut_all()
+        running = self._threads.join()
+        if running:
+            logger.warning("LayerKV registration server: thread(s) still running after the "
+                           "stop: %s", ", ".join(running))
 
     def push(self, msg: FirstToken) -> None:
         """Send ``msg`` to the D that registered its transfer, once. The connection is taken
@@ -153,7 +161,7 @@ class RegistrationServer:
 
     def _accept_loop(self) -> None:
         for conn, addr, slot in self._gate.accepted(self._server, self._stop):
-            start_thread(self._serve, f"layerkv-registrar-{addr[1]}", conn, addr, slot)
+            self._threads.start(self._serve, f"layerkv-registrar-{addr[1]}", conn, addr, slot)
 
     def _serve(self, conn: socket.socket, addr: tuple, slot: Slot) -> None:
         link = _Link(conn)

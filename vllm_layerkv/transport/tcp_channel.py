@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_layerkv.common.log import init_logger
-from vllm_layerkv.common.threads import start_thread
+from vllm_layerkv.common.threads import STOP_WAIT_S, start_thread
 from vllm_layerkv.kv.blockio import BlockIO
 from vllm_layerkv.transport.base import PendingWrite, SendChannel, TransportError
 from vllm_layerkv.transport.direct import DirectWriteFailed, PeerWriter
@@ -318,6 +318,8 @@ class TcpSendChannel(SendChannel):
         except OSError:
             pass
         self._sock.close()
+        if self._reader is not threading.current_thread():  # close may come from on_lost
+            self._reader.join(STOP_WAIT_S)
 
     def _send_transfer_message(self, msg: TransferNearlyDone | TransferDone | TransferAbort
                                ) -> None:

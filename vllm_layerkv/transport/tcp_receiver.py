@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_layerkv.common.log import init_logger
-from vllm_layerkv.common.threads import start_thread
+from vllm_layerkv.common.threads import STOP_WAIT_S, ThreadGroup
 from vllm_layerkv.kv import fused_copy
 from vllm_layerkv.kv.blockio import BlockIO
 from vllm_layerkv.kv.bounds import BoundsError
@@ -122,6 +122,8 @@ class TcpReceiver:
         self._server: socket.socket | None = None
         self._stop = threading.Event()
         self._conns: set[socket.socket] = set()
+        self._threads = ThreadGroup()
+        """The accept thread and one thread per connection served."""
         self._lock = threading.Lock()
 
     def start(self, host: str, port: int, sink: ReceiveSink, blocks: BlockIO,
@@ -142,7 +144,7 @@ class TcpReceiver:
         self._gate = Gate("data listener", host, self._auth, self._limits)
         self._server = framing.listen(host, port)
         bound_port = self._server.getsockname()[1]
-        start_thread(self._accept_loop, "layerkv-accept", sink, blocks, io_timeout)
+        self._threads.start(self._accept_loop, "layerkv-accept", sink, blocks, io_timeout)
         return f"{host}:{bound_port}"
 
     def stop(self) -> None:
@@ -152,7 +154,8 @@ class TcpReceiver:
             close_listener(self._server)
 
     def close_connections(self) -> None:
-        """End every connection being served (their threads see the sockets close)."""
+        """End every connection being served, and wait (up to STOP_WAIT_S) for their threads
+        to return: they see their sockets close within milliseconds."""
         with self._lock:
             conns = list(self._conns)
         for c in conns:
@@ -161,6 +164,10 @@ class TcpReceiver:
             except OSError:
                 pass
             c.close()
+        running = self._threads.join(STOP_WAIT_S)
+        if running:
+            logger.warning("LayerKV data listener: %d thread(s) still running %.0f s after "
+                           "the stop: %s", len(running), STOP_WAIT_S, ", ".join(running))
 
     @property
     def connections(self) -> int:
@@ -172,8 +179,8 @@ class TcpReceiver:
         for conn, addr, slot in self._gate.accepted(self._server, self._stop):
             with self._lock:
                 self._conns.add(conn)
-            start_thread(self._serve, f"layerkv-recv-{addr[1]}", conn, addr, slot, sink, blocks,
-                         io_timeout)
+            self._threads.start(self._serve, f"layerkv-recv-{addr[1]}", conn, addr, slot, sink,
+                                blocks, io_timeout)
 
     def _serve(self, conn: socket.socket, addr: tuple, slot: Slot, sink: ReceiveSink,
                blocks: BlockIO, io_timeout: float) -> None:

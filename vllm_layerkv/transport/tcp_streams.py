@@ -34,7 +34,7 @@ import socket
 import threading
 from collections.abc import Callable, Iterable, Iterator
 
-from vllm_layerkv.common.threads import start_thread
+from vllm_layerkv.common.threads import ThreadGroup
 
 CHUNK_BYTES = 2 << 20
 """The unit dealt to the streams in turn. Small enough that every buffer the sender or receiver
@@ -78,6 +78,8 @@ class Streams:
         self._socks: dict[int, socket.socket] = {}
         self._lock = threading.Lock()
         self._closed = False
+        self._threads = ThreadGroup()
+        """P: the streams' threads (D serves each stream in the thread that accepted it)."""
 
     def usable(self) -> int:
         """How many streams a frame may be dealt over: stream 0 and the joined streams
@@ -99,7 +101,7 @@ class Streams:
             finally:
                 sock.close()
 
-        start_thread(serve_then_close, f"layerkv-stream{index}-{self._name}")
+        self._threads.start(serve_then_close, f"layerkv-stream{index}-{self._name}")
 
     def attach(self, index: int, sock: socket.socket) -> None:
         """Stream ``index`` joins (D: before it acknowledges the join, so that the frames P
@@ -184,11 +186,13 @@ class Streams:
                 pass
 
     def close(self) -> None:
-        """The connection is over: shut the streams and end their threads (each thread's
-        socket is closed by whoever opened it, once that thread has returned)."""
+        """The connection is over: shut the streams and end their threads, waiting for the
+        threads this end started (each thread's socket is closed by whoever opened it, once
+        that thread has returned)."""
         with self._lock:
             self._closed = True
             jobs = list(self._jobs.values())
         self.shut()
         for q in jobs:
             q.put(None)
+        self._threads.join()

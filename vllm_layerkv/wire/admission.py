@@ -117,6 +117,13 @@ class Gate:
             framing.tune(conn)
             yield conn, addr, slot
 
+    def shut_all(self) -> None:
+        """Shut every admitted connection (a stop: their threads see the sockets end)."""
+        with self._lock:
+            conns = [s.conn for s in self._slots]
+        for conn in conns:
+            _shut(conn)
+
     def admit(self, conn: socket.socket, addr: Any) -> Slot | None:
         """A slot for a connection just accepted, or None (the connection is then closed)."""
         try:
