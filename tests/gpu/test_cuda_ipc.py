@@ -54,7 +54,7 @@ def run_pair(transport: str, transfers: list[dict], layers: int = 32, blocks: in
     p_res = json.loads(p.stdout.strip().splitlines()[-1])
     d_res = json.loads(d_out.strip().splitlines()[-1])
     RESULTS.append({"transport": transport, "env": env_extra or {}, "config": config or {},
-                    "gpus": f"{gpu_p}->{gpu_d}", "p": p_res, "d": d_res})
+                    "gpus": "->".join(gpus()), "p": p_res, "d": d_res})
     out = os.environ.get("LAYERKV_GPU_RESULTS")
     if out:
         Path(out).write_text(json.dumps(RESULTS, indent=1))
