@@ -154,8 +154,9 @@ class TcpReceiver:
             close_listener(self._server)
 
     def close_connections(self) -> None:
-        """End every connection being served, and wait (up to STOP_WAIT_S) for their threads
-        to return: they see their sockets close within milliseconds."""
+        """After ``stop``: end every connection being served, and wait (up to STOP_WAIT_S) for
+        their threads and the accept thread to return; they see their sockets close within
+        milliseconds."""
         with self._lock:
             conns = list(self._conns)
         for c in conns:
