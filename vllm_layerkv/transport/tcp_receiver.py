@@ -121,7 +121,6 @@ class TcpReceiver:
         self._ring_wait_s = 30.0
         self._server: socket.socket | None = None
         self._stop = threading.Event()
-        self._conns: set[socket.socket] = set()
         self._threads = ThreadGroup()
         """The accept thread and one thread per connection served."""
         self._lock = threading.Lock()
@@ -154,17 +153,11 @@ class TcpReceiver:
             close_listener(self._server)
 
     def close_connections(self) -> None:
-        """After ``stop``: end every connection being served, and wait (up to STOP_WAIT_S) for
-        their threads and the accept thread to return; they see their sockets close within
-        milliseconds."""
-        with self._lock:
-            conns = list(self._conns)
-        for c in conns:
-            try:
-                c.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            c.close()
+        """After ``stop``: shut every connection being served, and wait (up to STOP_WAIT_S)
+        for their threads and the accept thread to return; each thread sees its socket end
+        within milliseconds, and closes it."""
+        if self._gate is not None:
+            self._gate.shut_all()
         running = self._threads.join(STOP_WAIT_S)
         if running:
             logger.warning("LayerKV data listener: %d thread(s) still running %.0f s after "
@@ -178,8 +171,6 @@ class TcpReceiver:
     def _accept_loop(self, sink: ReceiveSink, blocks: BlockIO, io_timeout: float) -> None:
         assert self._server is not None and self._gate is not None
         for conn, addr, slot in self._gate.accepted(self._server, self._stop):
-            with self._lock:
-                self._conns.add(conn)
             self._threads.start(self._serve, f"layerkv-recv-{addr[1]}", conn, addr, slot, sink,
                                 blocks, io_timeout)
 
@@ -310,8 +301,6 @@ class TcpReceiver:
             if reader is not None:
                 reader.close()
             self._gate.release(slot)
-            with self._lock:
-                self._conns.discard(conn)
             conn.close()
 
     def _release_grants(self, granted: dict[int, tuple[DirectWrite, int, RecvRing | None]],
